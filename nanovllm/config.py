@@ -1,0 +1,112 @@
+"""Engine configuration: one frozen, validated dataclass built from LLM(...) options."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine options. Unknown keys raise TypeError; bad values raise ValueError."""
+
+    model: str
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None  # None: sized from memory (gpu_memory_utilization / cpu_kvcache_gb)
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_gb: float = 2.0  # KV pool size when running on the CPU without num_kvcache_blocks
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"  # "dummy": random weights of the config's shape (benchmarks)
+    hf_config: dict = field(default_factory=dict, repr=False)  # filled from config.json
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)} - {"model", "hf_config"}
+        for key in options:
+            if key not in known:
+                raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(sorted(known))}")
+        return cls(model=model, hf_config=load_hf_config(model), **options)
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("kvcache_block_size", self.kvcache_block_size)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.kvcache_block_size % 16:
+            raise ValueError(f"kvcache_block_size must be a multiple of 16, got {self.kvcache_block_size}")
+        if self.num_kvcache_blocks is not None:
+            _positive_int("num_kvcache_blocks", self.num_kvcache_blocks)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.cpu_kvcache_gb > 0:
+            raise ValueError(f"cpu_kvcache_gb must be > 0, got {self.cpu_kvcache_gb}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (limit: 1)")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        model_limit = self.model_max_position
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", model_limit)
+        else:
+            _positive_int("max_model_len", self.max_model_len)
+            if model_limit is not None and self.max_model_len > model_limit:
+                raise ValueError(
+                    f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={model_limit}"
+                )
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is required: the model config has no max_position_embeddings")
+
+    @property
+    def model_max_position(self) -> int | None:
+        return self.hf_config.get("max_position_embeddings")
+
+    @property
+    def num_blocks_per_seq_limit(self) -> int:
+        return -(-self.max_model_len // self.kvcache_block_size)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def load_hf_config(model: str) -> dict:
+    """Read and sanity-check <model>/config.json, with errors that name the file and the problem."""
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: a model directory needs config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object")
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise ValueError(f"{config_file} has no 'architectures' list")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(config.get(key), int) or config[key] <= 0:
+            raise ValueError(f"{config_file}: {key!r} must be a positive integer, got {config.get(key)!r}")
+    return config

@@ -1,0 +1,146 @@
+"""Paged KV block allocator with reference counts and hash-chained prefix caching.
+
+A full block's hash covers its tokens and the hash of the block before it, so equal hashes mean
+equal prefixes. Freed blocks keep their hash and stay findable until the allocator reuses them
+(least recently freed first), which is what makes a later request with the same prefix a cache hit.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def chain_hash(token_ids: list[int], prev_hash: int) -> int:
+    h = xxhash.xxh64()
+    if prev_hash != NO_HASH:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash = [NO_HASH] * num_blocks
+        self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its registered blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache lookup -------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks covering a prefix of token_ids. The last token is never covered, so at
+        least one token is always computed (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks, prev = [], NO_HASH
+        for i in range((len(token_ids) - 1) // self.block_size):
+            tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            prev = chain_hash(tokens, prev)
+            block_id = self.hash_to_block.get(prev)
+            if block_id is None or self.block_token_ids[block_id] != tuple(tokens):
+                break
+            blocks.append(block_id)
+        return blocks
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_admit(self, prefix_blocks: list[int], num_tokens: int) -> bool:
+        """Whether a new sequence reusing prefix_blocks can hold num_tokens of KV."""
+        reused_free = sum(1 for b in prefix_blocks if self.ref_count[b] == 0)
+        new_blocks = self.blocks_for_tokens(num_tokens) - len(prefix_blocks)
+        return new_blocks + reused_free <= self.num_free_blocks
+
+    def admit(self, seq: Sequence, prefix_blocks: list[int], num_tokens: int) -> None:
+        assert not seq.block_table, "sequence already holds blocks"
+        for block_id in prefix_blocks:
+            if self.ref_count[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_count[block_id] += 1
+            seq.block_table.append(block_id)
+        self.seq_block_hashes[seq.seq_id] = [self.block_hash[b] for b in prefix_blocks]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(prefix_blocks) * self.block_size
+        self.grow(seq, num_tokens)
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_for_tokens(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append fresh blocks until seq can hold num_tokens of KV (call can_grow first)."""
+        needed = self.blocks_for_tokens(num_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"KV pool exhausted: need {needed} blocks, {self.num_free_blocks} free")
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        self._forget_hash(block_id)
+        self.ref_count[block_id] = 1
+        return block_id
+
+    def _forget_hash(self, block_id: int) -> None:
+        h = self.block_hash[block_id]
+        if h != NO_HASH and self.hash_to_block.get(h) == block_id:
+            del self.hash_to_block[h]
+        self.block_hash[block_id] = NO_HASH
+        self.block_token_ids[block_id] = None
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; tail blocks are freed first so shared prefixes live longest."""
+        for block_id in reversed(seq.block_table):
+            self.ref_count[block_id] -= 1
+            assert self.ref_count[block_id] >= 0, f"double free of block {block_id}"
+            if self.ref_count[block_id] == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        self.seq_block_hashes.pop(seq.seq_id, None)
+
+    # ---- prefix cache registration -------------------------------------------------------
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Hash every full block whose KV is now computed, so later requests can reuse it."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.seq_block_hashes.setdefault(seq.seq_id, [])
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(len(hashes), num_full):
+            tokens = seq.block_tokens(i)
+            h = chain_hash(tokens, hashes[-1] if hashes else NO_HASH)
+            hashes.append(h)
+            block_id = seq.block_table[i]
+            if self.block_hash[block_id] == NO_HASH:
+                self.block_hash[block_id] = h
+                self.block_token_ids[block_id] = tuple(tokens)
+                self.hash_to_block.setdefault(h, block_id)
+
+    def check_invariants(self, live_seqs: list[Sequence]) -> None:
+        """Reference counts equal the block-table references; free list equals unreferenced blocks."""
+        counts = [0] * self.num_blocks
+        for seq in live_seqs:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id} repeats a block"
+            for b in seq.block_table:
+                counts[b] += 1
+        assert counts == self.ref_count, "reference counts differ from block tables"
+        free = {b for b in range(self.num_blocks) if counts[b] == 0}
+        assert free == set(self.free_blocks), "free list differs from unreferenced blocks"
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h, f"hash map points at block {b} holding another hash"

@@ -1,0 +1,186 @@
+"""The engine core: admission, one scheduling loop step at a time, detokenization and stop checks.
+
+`step()` is the whole loop body, so an offline `generate()` and an online server drive the same code.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    stop_text_end: int | None = None  # where a matched stop string begins in the output text
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, **options):
+        if model is None:
+            from nanovllm.models.fetch import default_model_path
+
+            model = str(default_model_path())
+        self.config = EngineConfig.from_options(model, **options)
+        model_dir = Path(model)
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.runner = ModelRunner(self.config, None if self.config.load_format == "dummy" else model_dir)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.kvcache_block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            return self.tokenizer(prompt).input_ids
+        if not isinstance(prompt, (list, tuple)) or any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse, with the numbers, any request that could never complete."""
+        n, limit = len(token_ids), self.config.max_model_len
+        vocab = self.config.hf_config["vocab_size"]
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocab_size)")
+        if n + 1 > limit:
+            raise ValueError(f"prompt has {n} tokens; with one generated token that exceeds max_model_len={limit}")
+        kv_tokens = min(n + params.max_tokens, limit) - 1
+        blocks = self.block_manager.blocks_for_tokens(kv_tokens)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks ({kv_tokens} tokens of KV at block size "
+                f"{self.block_manager.block_size}) but the whole pool has {self.block_manager.num_blocks}"
+            )
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.check_request(token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size, prompt if isinstance(prompt, str) else None)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
+        self.requests[request_id] = _Request(request_id, seq, detok)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and return the requests that got a new token."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress although requests are pending")
+            return []
+        sampled = self.runner.run(scheduled)
+        self.scheduler.mark_computed(scheduled)
+        by_seq = {r.seq.seq_id: r for r in self.requests.values()}
+        outputs = []
+        for item in scheduled:
+            if item.seq.seq_id not in sampled:
+                continue
+            req = by_seq[item.seq.seq_id]
+            token, logprobs = sampled[item.seq.seq_id]
+            self._append(req, token, logprobs)
+            outputs.append(self._output(req))
+            if req.seq.is_finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _append(self, req: _Request, token: int, logprobs: dict[int, float] | None) -> None:
+        seq, params = req.seq, req.seq.params
+        seq.append_token(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        if req.detokenizer is not None:
+            seq.output_text += req.detokenizer.add(token)
+        reason = None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason = "stop"
+        elif params.stop and self._match_stop_string(req):
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+
+    def _match_stop_string(self, req: _Request) -> bool:
+        text = req.seq.output_text
+        for stop in req.seq.params.stop:
+            pos = text.find(stop)
+            if pos != -1:
+                req.stop_text_end = pos if req.stop_text_end is None else min(pos, req.stop_text_end)
+        if req.stop_text_end is not None:
+            req.seq.output_text = text[: req.stop_text_end]
+            return True
+        return False
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        text = seq.output_text
+        if seq.is_finished and req.stop_text_end is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        metrics = RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
+                                 seq.finish_time, seq.num_cached_tokens, seq.num_preemptions)
+        completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason,
+                                      list(seq.logprobs) if seq.params.logprobs is not None else None)
+        return RequestOutput(req.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics)
+
+
+def _load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(hf_config.get("eos_token_id"))
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.is_file():
+        add(json.loads(gen_config.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,130 @@
+"""Turns a scheduled step into tensors, runs the model over the paged cache and samples."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.scheduler import ScheduledSeq
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
+from nanovllm.layers.sampler import SamplerOutput, sample
+from nanovllm.models.loader import build_model
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and less accurate
+    stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path | None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
+        self.block_size = config.kvcache_block_size
+        self.backend = get_attention_backend("torch")
+        self.model = build_model(config.hf_config, self.backend, self.dtype, self.device, model_dir)
+        mc = self.model.config
+        self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.num_blocks = config.num_kvcache_blocks or self._blocks_that_fit()
+        self.kv_cache = PagedKVCache(mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
+                                     self.dtype, self.device)
+        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    @property
+    def bytes_per_block(self) -> int:
+        layers, block_size, heads, head_dim = self.kv_shape
+        return PagedKVCache.bytes_per_block(layers, block_size, heads, head_dim, self.dtype)
+
+    def _blocks_that_fit(self) -> int:
+        if self.device.type == "cpu":
+            budget = self.config.cpu_kvcache_gb * 2**30
+        else:
+            budget = self._cuda_kv_budget()
+        blocks = int(budget // self.bytes_per_block)
+        if blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache: one block needs {self.bytes_per_block} bytes, budget is {int(budget)}"
+            )
+        return blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization of the card, minus weights, other processes and the peak activations
+        of a warm-up step of max_num_batched_tokens."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        other_processes = (total - free) - torch.cuda.memory_reserved(self.device)
+        warm_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        warm_blocks = -(-warm_tokens // self.block_size)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.kv_cache = PagedKVCache(self.kv_shape[0], warm_blocks, *self.kv_shape[1:], self.dtype, self.device)
+        self._forward_tokens(list(range(warm_tokens)), list(range(warm_blocks)))
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.data.numel() * self.kv_cache.data.element_size()
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        return int(total * self.config.gpu_memory_utilization - peak - other_processes)
+
+    @torch.inference_mode()
+    def _forward_tokens(self, token_ids: list[int], block_table: list[int]) -> None:
+        n = len(token_ids)
+        meta = self.backend.build_metadata([n], [n], [block_table], list(range(n)), self.block_size, self.device)
+        ids = torch.tensor(token_ids, device=self.device) % self.model.config.vocab_size
+        hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_cache, meta)
+        self.model.compute_logits(hidden[-1:])
+
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        bs = self.block_size
+        for item in scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_table)
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+        meta = self.backend.build_metadata(query_lens, seq_lens, tables, slots, bs, self.device)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        return as_tensor(ids), as_tensor(positions), meta, sample_rows
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, dict[int, float] | None]]:
+        """One forward pass; returns {seq_id: (sampled token, logprobs)} for sequences that sample."""
+        ids, positions, meta, rows = self._prepare(scheduled)
+        hidden = self.model(ids, positions, self.kv_cache, meta)
+        sampling = [item.seq for item in scheduled if item.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        out: SamplerOutput = sample(
+            logits, [s.params for s in sampling], [self._generator(s) for s in sampling], self.default_generator
+        )
+        return {s.seq_id: (t, lp) for s, t, lp in zip(sampling, out.token_ids, out.logprobs)}
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        if seq.generator is None:
+            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+        return seq.generator

@@ -1,0 +1,101 @@
+"""Continuous batching with chunked prefill, prefix-cache admission and preemption by recompute.
+
+Every step gets a token budget (max_num_batched_tokens). Running sequences are served first, in
+arrival order: a decode costs one token, an unfinished prefill takes the next chunk that fits.
+Waiting sequences are then admitted while budget, sequence slots and KV blocks last. When a running
+sequence needs a block and none is free, the most recently admitted running sequence is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last token, so its logits give the next one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.grow(seq, seq.num_computed_tokens + n)
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.block_manager.match_prefix(seq.token_ids)
+            cached = len(prefix) * self.block_manager.block_size
+            n = min(len(seq) - cached, budget)
+            if not self.block_manager.can_admit(prefix, cached + n):
+                break
+            self.block_manager.admit(seq, prefix, cached + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def mark_computed(self, scheduled: list[ScheduledSeq]) -> None:
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed_blocks(item.seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove seq from the queues, free its blocks and mark it finished."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.finish(reason)

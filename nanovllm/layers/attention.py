@@ -1,0 +1,135 @@
+"""Attention backends over the paged KV cache.
+
+A backend owns the per-batch metadata it needs (`build_metadata`) and computes attention for one
+layer given that metadata. The metadata is passed down the model's forward explicitly: there is no
+global forward context. `TorchPagedAttention` is the pure-PyTorch path: it runs on any device and is
+the reference that faster kernels are tested against.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch: sequence i contributes query_lens[i] new tokens at the end of seq_lens[i]."""
+
+    query_lens: list[int]
+    seq_lens: list[int]  # tokens of KV after this step (cached + new)
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
+    cu_query_lens: torch.Tensor  # [num_seqs + 1]
+    seq_lens_tensor: torch.Tensor  # [num_seqs]
+    block_tables_tensor: torch.Tensor  # [num_seqs, max_blocks], padded with -1
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        max_blocks = max(len(t) for t in block_tables)
+        padded = [t + [-1] * (max_blocks - len(t)) for t in block_tables]
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+
+        return AttentionMetadata(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=_to_device(slot_mapping, torch.int64, device),
+            cu_query_lens=_to_device(cu, torch.int32, device),
+            seq_lens_tensor=_to_device(seq_lens, torch.int32, device),
+            block_tables_tensor=_to_device(padded, torch.int64, device),
+            block_size=block_size,
+        )
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] new tokens; caches: [num_blocks, block_size, Hk, D].
+        Writes k, v into the cache at meta.slot_mapping and returns [T, Hq, D]."""
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str):
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    num_heads, head_dim = k.shape[1:]
+    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's KV as a contiguous [seq_len, Hk, D] tensor."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
+
+
+def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask letting new token j (at position seq_len - query_len + j) see keys up to itself."""
+    if query_len == 1:
+        return None
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos
+
+
+@register_attention_backend("torch")
+class TorchPagedAttention(AttentionBackend):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for query_len, seq_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor):
+            qi = q[start : start + query_len].transpose(0, 1)  # [Hq, n, D]
+            ki = gather_kv(k_cache, table, seq_len).transpose(0, 1)
+            vi = gather_kv(v_cache, table, seq_len).transpose(0, 1)
+            mask = causal_mask(query_len, seq_len, q.device)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start : start + query_len] = oi.transpose(0, 1)
+            start += query_len
+        return out

@@ -1,0 +1,84 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Sampling draws exponential noise E and takes argmax(p / E), which picks token i with probability
+p_i; the noise of a seeded request comes from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: sampled token and top-N, or None
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p; filtered entries become -inf."""
+    device = logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if (top_k < vocab).any() or (top_p < 1).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)[None, :]
+        drop = rank >= top_k[:, None]
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_p[:, None]  # keep the smallest prefix reaching top_p (always >= 1 token)
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+) -> SamplerOutput:
+    """logits: [B, V] float32. Returns one token per row."""
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = filter_logits(logits, params).softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for i, gen in enumerate(generators):
+            noise[i].exponential_(generator=gen if gen is not None else default_generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    token_list = tokens.tolist()
+    return SamplerOutput(token_list, _logprobs(logits, token_list, params))
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[dict[int, float] | None]:
+    wanted = [p.logprobs for p in params]
+    if all(n is None for n in wanted):
+        return [None] * len(params)
+    logp = logits.log_softmax(dim=-1)
+    top_n = max(n or 0 for n in wanted)
+    top_vals, top_ids = logp.topk(top_n, dim=-1) if top_n else (None, None)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
+    out: list[dict[int, float] | None] = []
+    for i, n in enumerate(wanted):
+        if n is None:
+            out.append(None)
+            continue
+        entry = {tokens[i]: chosen[i]}
+        if n:
+            for tid, val in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()):
+                entry.setdefault(tid, val)
+        out.append(entry)
+    return out

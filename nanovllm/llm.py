@@ -1,0 +1,86 @@
+"""The offline entry point: LLM(...).generate(...) and .chat(...), as in vLLM."""
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM(LLMEngine):
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for all prompts as one continuously batched workload; outputs keep prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        token_ids = [self.tokenize(p) for p in prompts]
+        for ids, sp in zip(token_ids, params):
+            self.check_request(ids, sp)  # refuse a bad batch before any of it runs
+        request_ids = [self.add_request(ids, sp) for ids, sp in zip(token_ids, params)]
+        for rid, prompt in zip(request_ids, prompts):
+            if isinstance(prompt, str):
+                self.requests[rid].seq.prompt = prompt
+        try:
+            finished = self._run_to_completion(set(request_ids), use_tqdm)
+        finally:
+            for rid in request_ids:
+                self.abort_request(rid)  # no-op for finished ones; cleans up after an interrupt
+        return [finished[rid] for rid in request_ids]
+
+    def _run_to_completion(self, request_ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        with bar:
+            while len(finished) < len(request_ids):
+                for out in self.step():
+                    if out.finished and out.request_id in request_ids:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return finished
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's own chat template to each conversation, then generate."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.chat_prompt(conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation: list[Message]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

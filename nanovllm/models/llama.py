@@ -1,0 +1,160 @@
+"""LlamaForCausalLM, and the decoder that the Qwen2 and Qwen3 variants reuse.
+
+Module names mirror the HF checkpoints so weights load by name. Tokens of all sequences in a step
+are flattened into one [num_tokens, hidden] batch; attention metadata says where each one starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.norm import RMSNorm
+from nanovllm.layers.rotary import RotaryEmbedding
+from nanovllm.models.registry import register_model
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, c: dict, **variant) -> "DecoderConfig":
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
+        num_heads = c["num_attention_heads"]
+        num_kv_heads = c.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        rope = c.get("rope_parameters") or {}
+        scaling = rope if rope.get("rope_type", "default") != "default" else c.get("rope_scaling")
+        fields = dict(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            qkv_bias=c.get("attention_bias", False),
+            mlp_bias=c.get("mlp_bias", False),
+        )
+        fields.update(variant)
+        return cls(**fields)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = [rotary]  # shared, kept out of the module tree so it is not a per-layer buffer
+        self.backend = backend
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, backend)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, k_cache, v_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend):
+        super().__init__()
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.layer(i)
+            x = layer(positions, x, k_cache, v_cache, meta)
+        return self.norm(x)
+
+
+@register_model("LlamaForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: dict, backend: AttentionBackend):
+        super().__init__()
+        self.config = cfg = self.parse_config(hf_config)
+        self.model = DecoderModel(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head (again after materialising from the meta device)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def parse_config(hf_config: dict) -> DecoderConfig:
+        return DecoderConfig.from_hf(hf_config)
+
+    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def ignored_checkpoint_keys(self) -> set[str]:
+        """Checkpoint tensors that are fine to skip (a tied head stored anyway)."""
+        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random-weight HF models written with save_pretrained."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+
+
+def make_tiny_model(path: Path, arch: str, **overrides) -> Path:
+    """Save a tiny random model of `arch` with transformers, so our loader reads real files."""
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config}[arch]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    config = config_cls(**{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():  # larger-than-default weights so that mistakes show up in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from nanovllm.models.fetch import fetch_model
+
+    return fetch_model("smollm2-135m", progress=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
