@@ -1,0 +1,111 @@
+"""Command line: `nanovllm fetch` and `nanovllm generate` (engine options mirror LLM(...) keywords)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from nanovllm.config import EngineConfig
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a KV cache is.",
+    "List three prime numbers.",
+]
+_HELP = {
+    "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",
+    "kvcache_block_size": "tokens per KV block (a multiple of 16)",
+    "num_kvcache_blocks": "KV pool size in blocks (default: from gpu_memory_utilization or cpu_kvcache_gb)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "cpu_kvcache_gb": "KV pool size in GiB when running on the CPU",
+    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
+    "enforce_eager": "disable CUDA graphs",
+    "tensor_parallel_size": "GPUs per model (only 1 for now)",
+    "dtype": "auto, float32, float16 or bfloat16",
+    "device": "auto, cuda or cpu",
+    "seed": "seed of the engine's sampling generator",
+    "load_format": "auto, or dummy for random weights of the config's shape",
+}
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ("model", "hf_config"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
+            group.add_argument(flag, type=kind, default=None, help=f"{_HELP.get(f.name, '')} (default: {f.default})")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in vars(args).items() if k in names and k != "model" and v is not None}
+
+
+def cmd_fetch(args: argparse.Namespace) -> None:
+    from nanovllm.models.fetch import fetch_model
+
+    print(fetch_model(args.name))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from nanovllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(args.model, **engine_options(args))
+    loaded = time.perf_counter()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed_request)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if not args.raw else \
+        llm.generate(prompts, params)
+    elapsed = time.perf_counter() - loaded
+    device = llm.runner.device
+    print(f"\nmodel {llm.config.model} on {device} ({llm.runner.dtype}), loaded in {loaded - started:.1f} s")
+    for prompt, out in zip(prompts, outputs):
+        ttft = out.metrics.time_to_first_token
+        tpot = out.metrics.time_per_output_token
+        print(f"\n> {prompt}\n{out.text.strip()}")
+        print(f"  [{len(out.prompt_token_ids)} prompt + {len(out.token_ids)} output tokens, finish={out.finish_reason}, "
+              f"TTFT {ttft * 1e3:.0f} ms, TPOT {(tpot or 0) * 1e3:.1f} ms]")
+    total = sum(len(o.token_ids) for o in outputs)
+    print(f"\n{len(outputs)} requests, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} output tokens/s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch", help="install a default model and print its directory")
+    fetch.add_argument("name", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    fetch.set_defaults(func=cmd_fetch)
+    gen = sub.add_parser("generate", help="generate for a few prompts and print outputs and timings")
+    gen.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: four examples)")
+    gen.add_argument("--raw", action="store_true", help="send prompts as plain text instead of through the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    add_engine_options(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
