@@ -25,6 +25,17 @@ def test_verify_sha256_rejects_wrong_digest(tmp_path):
     assert "0" * 64 in str(err.value) and actual in str(err.value)
 
 
+def test_fetch_rejects_corrupt_gguf_and_leaves_nothing(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"corrupt")
+    monkeypatch.setattr(fetch, "_package_dir", lambda *a: pkg)
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        fetch_model("smollm2-135m", cache_dir=cache, progress=False)
+    assert [p.name for p in cache.iterdir()] == [".smollm2-135m.lock"]
+
+
 def test_unknown_model_name(tmp_path):
     with pytest.raises(ValueError, match="unknown model"):
         fetch_model("no-such-model", cache_dir=tmp_path)

@@ -7,6 +7,9 @@ tokenizer files into ``<cache>/<name>/``; a ``.complete`` marker is written last
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -20,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +76,18 @@ def fetch_model(name: str, cache_dir: str | Path | None = None, progress: bool =
     out = out / name
     if is_complete(out):
         return out
-    source = MODELS[name]
     out.parent.mkdir(parents=True, exist_ok=True)
-    pieces = [p for req, mod in source.packages for p in sorted(_package_dir(req, mod, progress).glob(source.pattern))]
+    with open(out.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait, then find it complete
+        if not is_complete(out):
+            _build(name, MODELS[name], out, progress)
+    return out
+
+
+def _build(name: str, source: ModelSource, out: Path, progress: bool) -> None:
+    pieces: list[Path] = []
+    for requirement, module in source.packages:  # in order; within a package sorted by name
+        pieces += sorted(_package_dir(requirement, module, progress).glob(source.pattern))
     if not pieces:
         raise FileNotFoundError(f"no file matching {source.pattern!r} in {[m for _, m in source.packages]}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out.parent))
@@ -95,13 +108,9 @@ def fetch_model(name: str, cache_dir: str | Path | None = None, progress: bool =
         if out.exists():  # an incomplete earlier attempt
             shutil.rmtree(out)
         os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_complete(out):  # another process finished first
-            return out
-        raise
-    (out / COMPLETE_MARKER).write_text("ok\n")
-    return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left there after a successful rename
+    (out / COMPLETE_MARKER).write_text(f"sha256 of the source GGUF: {source.sha256}\n")
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -164,7 +173,8 @@ def _concatenate(pieces: list[Path], dest: Path, expected: str, progress: bool) 
                     out.write(chunk)
                     bar.update(len(chunk))
     if h.hexdigest() != expected:
-        raise ValueError(f"sha256 mismatch for {dest} (from {len(pieces)} pieces): expected {expected}, got {h.hexdigest()}")
+        actual = h.hexdigest()
+        raise ValueError(f"sha256 mismatch for {dest} ({len(pieces)} pieces): expected {expected}, got {actual}")
 
 
 def convert_gguf(gguf: Path, out: Path, dtype: str, progress: bool = True) -> None:
@@ -172,15 +182,10 @@ def convert_gguf(gguf: Path, out: Path, dtype: str, progress: bool = True) -> No
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
+    with _quiet_transformers(not progress):
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    finally:
-        hf_logging.enable_progress_bar()
     config = model.config
     arch = type(model).__name__
     state = model.state_dict()
@@ -204,8 +209,30 @@ def convert_gguf(gguf: Path, out: Path, dtype: str, progress: bool = True) -> No
     meta = _gguf_metadata(gguf)
     _fix_special_tokens(tokenizer, meta)
     tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE; transformers ignores it anyway
     tokenizer.save_pretrained(str(out))
     _write_generation_config(out, config, meta)
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool) -> Iterator[None]:
+    """Hide transformers' progress bars, including the GGUF dequantization one (a bare tqdm)."""
+    if not quiet:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+        if bar is not None:
+            gguf_utils.tqdm = bar
 
 
 def _gguf_metadata(gguf: Path) -> dict:
