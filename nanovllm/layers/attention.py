@@ -128,8 +128,11 @@ class TorchPagedAttention(AttentionBackend):
             qi = q[start : start + query_len].transpose(0, 1)  # [Hq, n, D]
             ki = gather_kv(k_cache, table, seq_len).transpose(0, 1)
             vi = gather_kv(v_cache, table, seq_len).transpose(0, 1)
-            mask = causal_mask(query_len, seq_len, q.device)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            if query_len == seq_len:  # no cached prefix: plain causal attention, the fastest SDPA path
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = causal_mask(query_len, seq_len, q.device)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start : start + query_len] = oi.transpose(0, 1)
             start += query_len
         return out
