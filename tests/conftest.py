@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
 

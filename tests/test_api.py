@@ -12,13 +12,13 @@ from nanovllm.config import EngineConfig
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256)
+    return LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256, device="cpu")
 
 
 def served_correctly(llm) -> bool:
     prompt = list(range(1, 40))
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
-    fresh = LLM(llm.config.model, kvcache_block_size=16, num_kvcache_blocks=32)
+    fresh = LLM(llm.config.model, kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
     ref = fresh.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     return out.token_ids == ref.token_ids and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
@@ -93,7 +93,7 @@ def test_bad_sampling_params(kwargs, message):
 
 
 def test_request_larger_than_pool_is_refused(tiny_llama):
-    small = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=4)  # 64 tokens of KV
+    small = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")  # 64 tokens of KV
     with pytest.raises(ValueError, match="needs 5 KV blocks .* pool has 4"):
         small.generate([list(range(60))], SamplingParams(max_tokens=10), use_tqdm=False)
     out = small.generate([list(range(60))], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
@@ -101,7 +101,7 @@ def test_request_larger_than_pool_is_refused(tiny_llama):
 
 
 def test_near_the_limit_stops_with_length(tiny_llama):
-    engine = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256)
+    engine = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, device="cpu")
     out = engine.generate([list(range(250))], SamplingParams(max_tokens=128, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 256
 

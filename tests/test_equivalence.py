@@ -17,7 +17,7 @@ def prompts(seed=0):
 
 
 def run(path, batch, **options):
-    llm = LLM(str(path), kvcache_block_size=16, **{"num_kvcache_blocks": 128, **options})
+    llm = LLM(str(path), kvcache_block_size=16, device="cpu", **{"num_kvcache_blocks": 128, **options})
     return llm, [o.token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
 
 
@@ -25,7 +25,7 @@ def run(path, batch, **options):
 def reference(tiny_llama):
     """Whole prefill, no prefix caching, one request at a time."""
     llm = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=128, max_num_batched_tokens=4096,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, device="cpu")
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts()]
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import make_tiny_model
+from conftest import DEVICES, make_tiny_model
 from nanovllm import LLM, SamplingParams
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -27,12 +27,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[(c, d) for c in CASES for d in DEVICES], ids=lambda p: f"{p[0]}-{p[1]}")
 def pair(request, tmp_path_factory):
-    arch, overrides = CASES[request.param]
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
+    case, device = request.param
+    arch, overrides = CASES[case]
+    path = make_tiny_model(tmp_path_factory.mktemp(case), arch, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=48)
+    llm = LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=48, device=device,
+              dtype="float32")
     return hf, llm
 
 

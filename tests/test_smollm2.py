@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import DEVICES
 from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,6 @@ PROMPTS = [
     "A" * 3 + " quick summary of photosynthesis: plants use sunlight to",
 ]
 MAX_NEW = 24
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def hf_greedy(model, tokenizer, ids: list[int], device: str) -> list[int]:
@@ -85,3 +85,13 @@ def test_stop_string_is_removed(setup):
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=MAX_NEW, stop=[word]),
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.text == full[: full.index(word)]
+
+
+@pytest.mark.cuda
+def test_default_cuda_sizing_and_bf16(smollm2_path):
+    """The KV pool sized from gpu_memory_utilization, bf16 weights: serves a chat request."""
+    llm = LLM(str(smollm2_path), device="cuda", gpu_memory_utilization=0.5)
+    assert llm.runner.dtype == torch.bfloat16 and llm.block_manager.num_blocks > 0
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert "Paris" in out.text
