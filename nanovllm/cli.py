@@ -28,6 +28,7 @@ _HELP = {
     "dtype": "auto, float32, float16 or bfloat16",
     "device": "auto, cuda or cpu",
     "seed": "seed of the engine's sampling generator",
+    "attention_backend": "auto, torch (pure PyTorch reference) or triton (CUDA kernels)",
     "load_format": "auto, or dummy for random weights of the config's shape",
 }
 

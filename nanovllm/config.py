@@ -29,6 +29,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    attention_backend: str = "auto"  # "torch" (reference, any device), "triton" (CUDA), "auto"
     load_format: str = "auto"  # "dummy": random weights of the config's shape (benchmarks)
     hf_config: dict = field(default_factory=dict, repr=False)  # filled from config.json
 
@@ -59,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):

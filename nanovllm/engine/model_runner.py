@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from nanovllm.config import EngineConfig
+from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
@@ -24,6 +25,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_backend(name: str, device: torch.device) -> str:
+    """'auto': Triton kernels on CUDA when Triton is installed, else the pure-PyTorch path."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            pass
+    return "torch"
+
+
 def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -39,14 +54,22 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
         self.block_size = config.kvcache_block_size
-        self.backend = get_attention_backend("torch")
+        self.backend = get_attention_backend(resolve_backend(config.attention_backend, self.device))
         self.model = build_model(config.hf_config, self.backend, self.dtype, self.device, model_dir)
         mc = self.model.config
         self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.num_blocks = config.num_kvcache_blocks or self._blocks_that_fit()
-        self.kv_cache = PagedKVCache(mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
-                                     self.dtype, self.device)
+        # One extra block past the pool: a scratch target for padded rows; the block manager never hands it out.
+        self.kv_cache = PagedKVCache(mc.num_layers, self.num_blocks + 1, self.block_size, mc.num_kv_heads,
+                                     mc.head_dim, self.dtype, self.device)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+            return None
+        return DecodeGraphs(self.model, self.backend, self.kv_cache, min(self.config.max_num_seqs, 512),
+                            self.config.num_blocks_per_seq_limit, self.block_size, self.num_blocks, self.device)
 
     @property
     def bytes_per_block(self) -> int:
@@ -111,16 +134,29 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, dict[int, float] | None]]:
         """One forward pass; returns {seq_id: (sampled token, logprobs)} for sequences that sample."""
-        ids, positions, meta, rows = self._prepare(scheduled)
-        hidden = self.model(ids, positions, self.kv_cache, meta)
         sampling = [item.seq for item in scheduled if item.samples]
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if self.graphs is not None and self._is_decode(scheduled) and self.graphs.fits(len(scheduled)):
+            logits = self._decode_with_graph(sampling)
+        else:
+            ids, positions, meta, rows = self._prepare(scheduled)
+            hidden = self.model(ids, positions, self.kv_cache, meta)
+            if not sampling:
+                return {}
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         out: SamplerOutput = sample(
             logits, [s.params for s in sampling], [self._generator(s) for s in sampling], self.default_generator
         )
         return {s.seq_id: (t, lp) for s, t, lp in zip(sampling, out.token_ids, out.logprobs)}
+
+    @staticmethod
+    def _is_decode(scheduled: list[ScheduledSeq]) -> bool:
+        return all(item.num_new_tokens == 1 and item.samples for item in scheduled)
+
+    def _decode_with_graph(self, seqs: list[Sequence]) -> torch.Tensor:
+        positions = [len(s) - 1 for s in seqs]
+        bs = self.block_size
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        return self.graphs.run([s.token_ids[-1] for s in seqs], positions, slots, [s.block_table for s in seqs])
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:

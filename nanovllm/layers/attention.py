@@ -34,6 +34,7 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str
+    supports_cuda_graphs = False  # True when the decode path reads only metadata tensors (no host lists)
 
     def build_metadata(
         self,
@@ -92,7 +93,14 @@ def register_attention_backend(name: str):
     return wrap
 
 
+_LAZY_BACKENDS = {"triton": "nanovllm.layers.triton_attention"}  # modules that need optional packages
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS and name in _LAZY_BACKENDS:
+        import importlib
+
+        importlib.import_module(_LAZY_BACKENDS[name])
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

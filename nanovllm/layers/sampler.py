@@ -20,15 +20,16 @@ class SamplerOutput:
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Apply temperature, top-k, top-p and min-p; filtered entries become -inf."""
+    """Apply temperature, top-k, top-p and min-p; filtered entries become -inf.
+    Which filters run is decided from the Python params, so the GPU is never synchronised."""
     device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    logits = logits / temps[:, None]
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, device=device)[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if (top_k < vocab).any() or (top_p < 1).any():
+    if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         drop = rank >= top_k[:, None]
@@ -36,7 +37,8 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop |= mass_before >= top_p[:, None]  # keep the smallest prefix reaching top_p (always >= 1 token)
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         probs = logits.softmax(dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -50,9 +52,9 @@ def sample(
     default_generator: torch.Generator | None,
 ) -> SamplerOutput:
     """logits: [B, V] float32. Returns one token per row."""
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all(p.greedy for p in params):
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         probs = filter_logits(logits, params).softmax(dim=-1)
         noise = torch.empty_like(probs)
         for i, gen in enumerate(generators):

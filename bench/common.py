@@ -1,0 +1,66 @@
+"""Shared helpers for the benchmarks: ceilings measured in the same process, and printing."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def measure_hbm_bandwidth(gib: float = 2.0, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the read and the write."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / seconds
+
+
+def hf_model(config_dir: Path, dtype=torch.bfloat16):
+    """HF transformers model of the config's shape with random weights, built directly on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, time.perf_counter() - t
+
+
+def save_results(name: str, results: dict) -> None:
+    out = os.environ.get("OUT") or str(HERE / "results")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path = Path(out) / f"{name}.json"
+    path.write_text(json.dumps(results, indent=2))
+    log(f"results written to {path}")
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU")

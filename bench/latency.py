@@ -1,0 +1,93 @@
+"""Latency on a Llama-3.1-8B-shaped model (random bf16 weights) against the HBM floor and HF transformers.
+
+For batch 1 and 32 at contexts of 1K and 32K tokens: time to first token, and ms per output token
+against the floor (weights + every sequence's KV read once per step, over the measured copy
+bandwidth). Prefill tokens/s at 8K and 32K against HF transformers' forward in the same process.
+
+    PYTHONPATH=. python3 bench/latency.py [--batches 1 32] [--contexts 1024 32768] [--decode-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, timed
+from nanovllm import LLM, SamplingParams
+
+
+def decode_floor_ms(llm: LLM, batch: int, context: int, bandwidth: float) -> float:
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
+    layers, _, kv_heads, head_dim = llm.runner.kv_shape
+    kv_bytes = 2 * layers * kv_heads * head_dim * 2 * context * batch
+    return 1e3 * (weight_bytes + kv_bytes) / bandwidth
+
+
+def measure_decode(llm: LLM, batch: int, context: int, new_tokens: int) -> tuple[float, float]:
+    """Returns (time to first token in s, ms per output token) for a batch of equal-length prompts."""
+    g = torch.Generator().manual_seed(batch * 7 + context)
+    vocab = llm.config.hf_config["vocab_size"]
+    prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    outs, _ = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    ttft = max(o.metrics.time_to_first_token for o in outs)
+    tpot = sum(o.metrics.time_per_output_token for o in outs) / len(outs)
+    return ttft, 1e3 * tpot
+
+
+def prefill_tok_s(llm: LLM, context: int) -> float:
+    prompt = torch.randint(0, llm.config.hf_config["vocab_size"], (context,)).tolist()
+    _, seconds = timed(lambda: llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False))
+    return context / seconds
+
+
+def hf_prefill_tok_s(model, context: int) -> float:
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
+    with torch.no_grad():
+        model(ids[:, :512], logits_to_keep=1)  # warm-up
+        _, seconds = timed(lambda: model(ids, logits_to_keep=1))
+    return context / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(HERE / "configs" / "llama-3.1-8b"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--prefill-contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    require_cuda()
+    bandwidth = measure_hbm_bandwidth()
+    log(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
+    max_len = max(args.contexts + args.prefill_contexts) + args.decode_tokens + 16
+    llm = LLM(args.config, load_format="dummy", max_model_len=max_len, max_num_seqs=max(args.batches),
+              gpu_memory_utilization=0.6)
+    llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    results = {"decode": [], "prefill": []}
+    for batch in args.batches:
+        for context in args.contexts:
+            ttft, tpot = measure_decode(llm, batch, context, args.decode_tokens)
+            floor = decode_floor_ms(llm, batch, context, bandwidth)
+            results["decode"].append(dict(batch=batch, context=context, ttft_s=ttft, ms_per_token=tpot,
+                                          floor_ms=floor, ratio_to_floor=tpot / floor))
+            log(f"batch {batch:3d} context {context:6d}: TTFT {ttft * 1e3:8.1f} ms, {tpot:6.2f} ms/token, "
+                f"floor {floor:5.2f} ms -> {tpot / floor:.2f}x the floor")
+    for context in args.prefill_contexts:
+        results["prefill"].append(dict(context=context, tok_s=prefill_tok_s(llm, context)))
+    del llm
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        model = hf_model(args.config)
+        for row in results["prefill"]:
+            row["hf_tok_s"] = hf_prefill_tok_s(model, row["context"])
+            row["speedup_vs_hf"] = row["tok_s"] / row["hf_tok_s"]
+    for row in results["prefill"]:
+        hf = f", HF {row['hf_tok_s']:,.0f} tok/s -> {row['speedup_vs_hf']:.2f}x" if "hf_tok_s" in row else ""
+        log(f"prefill {row['context']:6d} tokens: {row['tok_s']:,.0f} tok/s{hf}")
+    save_results("latency", results)
+
+
+if __name__ == "__main__":
+    main()

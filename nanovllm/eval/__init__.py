@@ -1,0 +1,1 @@
+"""Evaluation harnesses that run over the nanovllm engine (see nanovllm.eval.ruler)."""

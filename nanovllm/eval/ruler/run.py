@@ -1,0 +1,158 @@
+"""Run RULER over the engine (`run_ruler`) and the `nanovllm ruler` command (`main`, `add_ruler_parser`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from nanovllm.eval.ruler import data
+from nanovllm.eval.ruler.report import markdown_table, save_chart
+from nanovllm.eval.ruler.scoring import passed, sample_score, summarize
+from nanovllm.eval.ruler.tasks import DEFAULT_SEED, TASK_NAMES, TASKS, generate_samples, resolve_tasks
+from nanovllm.eval.ruler.templates import TEMPLATE_KINDS, Prompter
+
+
+def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str | Path = "ruler_results",
+              template: str = "chat", use_tqdm: bool = True, seed: int = DEFAULT_SEED) -> dict:
+    """Generate RULER samples, run them all through ``llm.generate`` as one batch, score and report.
+
+    Greedy decoding, per-task max_tokens, prompts passed as token ids (tokenized without special
+    tokens, so the budget is exactly what was measured). Writes ``ruler.json`` (every prompt,
+    prediction, references and score), ``ruler.md`` and ``ruler.png`` to ``output_dir`` and prints
+    the table. Returns {"summary", "records", "timings", "files"}.
+    """
+    from nanovllm.sampling_params import SamplingParams
+
+    lengths = [int(n) for n in lengths]
+    names = resolve_tasks(tasks)
+    if llm.tokenizer is None:
+        raise ValueError("RULER needs the model's tokenizer")
+    limit = llm.config.max_model_len
+    if max(lengths) > limit:
+        raise ValueError(f"length {max(lengths)} exceeds the engine's max_model_len={limit}")
+    out_dir = Path(output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    data.ensure_ruler_data()
+    samples = generate_samples(llm.tokenizer, lengths, names, num_samples, template, seed)
+    prompter = Prompter(llm.tokenizer, template)
+    token_ids = [prompter.encode(s["prompt"]) for s in samples]
+    for s, ids in zip(samples, token_ids):
+        assert len(ids) == s["prompt_tokens"] and len(ids) + s["max_new_tokens"] <= s["length"], s["task"]
+    params = [SamplingParams(temperature=0.0, max_tokens=s["max_new_tokens"]) for s in samples]
+    generated = time.perf_counter()
+    _log(f"{len(samples)} samples ({len(names)} tasks x {len(lengths)} lengths x {num_samples}) generated in "
+         f"{generated - started:.1f} s; running them through the engine")
+
+    outputs = llm.generate(token_ids, params, use_tqdm=use_tqdm)
+    finished = time.perf_counter()
+
+    records = []
+    for s, out in zip(samples, outputs):
+        score = sample_score(TASKS[s["task"]].metric, out.text, s["references"])
+        records.append({**s, "prediction": out.text, "output_tokens": len(out.token_ids),
+                        "finish_reason": out.finish_reason, "score": score, "passed": passed(score)})
+    summary = summarize(records)
+    engine_s = finished - generated
+    prompt_tokens = sum(len(ids) for ids in token_ids)
+    output_tokens = sum(r["output_tokens"] for r in records)
+    timings = {
+        "generate_samples_s": round(generated - started, 3),
+        "engine_s": round(engine_s, 3),
+        "samples_per_s": round(len(records) / engine_s, 4) if engine_s > 0 else None,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "tokens_per_s": round((prompt_tokens + output_tokens) / engine_s, 1) if engine_s > 0 else None,
+    }
+    table = markdown_table(summary)
+    model = str(getattr(llm.config, "model", ""))
+    config = {"model": model, "lengths": lengths, "tasks": names, "num_samples": num_samples,
+              "template": template, "seed": seed, "max_model_len": limit,
+              "data_packages": [p.requirement for p in data.PACKAGES.values()]}
+    files = {"json": out_dir / "ruler.json", "markdown": out_dir / "ruler.md"}
+    files["json"].write_text(json.dumps({"config": config, "summary": summary, "timings": timings,
+                                         "samples": records}, indent=1, ensure_ascii=False) + "\n")
+    speed = (f"{len(records)} samples in {engine_s:.1f} s: {timings['samples_per_s']} samples/s, "
+             f"{timings['tokens_per_s']} tokens/s ({prompt_tokens} prompt + {output_tokens} output tokens)")
+    files["markdown"].write_text(f"# RULER: {Path(model).name or model}\n\n{table}\n\n{speed}\n")
+    chart = save_chart(summary, out_dir / "ruler.png", title=f"RULER: {Path(model).name or model} ({template})")
+    if chart is not None:
+        files["chart"] = chart
+    print(f"\nRULER on {model} ({template} template)\n\n{table}\n\n{speed}\nresults: {out_dir}")
+    return {"summary": summary, "records": records, "timings": timings,
+            "files": {k: str(v) for k, v in files.items()}}
+
+
+def _log(msg: str) -> None:
+    print(f"[nanovllm.ruler] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def parse_length(text: str) -> int:
+    """4096, 4k or 4K (x1024)."""
+    t = text.strip().lower()
+    try:
+        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a length: {text!r}") from None
+
+
+def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
+    from nanovllm.cli import add_engine_options
+
+    parser.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--lengths", type=parse_length, nargs="+", default=[4096],
+                        help="sequence lengths in tokens (prompt + max new tokens), e.g. 4096 8k (default: 4096)")
+    parser.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
+                        help=f"'all' or task names: {', '.join(TASK_NAMES)}")
+    parser.add_argument("--samples", type=int, default=10, help="samples per task and length (default: 10)")
+    parser.add_argument("--output", default="ruler_results", help="output directory (default: ruler_results)")
+    parser.add_argument("--template", choices=TEMPLATE_KINDS, default="chat",
+                        help="chat: the model's chat template + answer prefix; base: bare task text + answer prefix")
+    parser.add_argument("--data-seed", type=int, default=DEFAULT_SEED, help="seed of the sample generator (42)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_options(parser)
+
+
+def cmd_ruler(args: argparse.Namespace) -> dict:
+    from nanovllm import LLM
+    from nanovllm.cli import engine_options
+
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    tasks = resolve_tasks(args.tasks)
+    options = engine_options(args)
+    options.setdefault("max_model_len", max(args.lengths))
+    data.ensure_ruler_data()  # install and verify the data before loading the model
+    llm = LLM(args.model, **options)
+    return run_ruler(llm, args.lengths, tasks, args.samples, args.output, args.template,
+                     use_tqdm=not args.no_progress, seed=args.data_seed)
+
+
+def add_ruler_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `ruler` command to a `nanovllm` subparsers object; its func is cmd_ruler."""
+    parser = subparsers.add_parser("ruler", help="run the RULER long-context benchmark",
+                                   description="Run the RULER long-context benchmark over the engine.")
+    add_ruler_arguments(parser)
+    parser.set_defaults(func=cmd_ruler)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm ruler", description="Run the RULER long-context benchmark.")
+    add_ruler_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`nanovllm ruler ...` without the word `ruler`: main(["--lengths", "4096", "--samples", "5"])."""
+    args = build_parser().parse_args(argv)
+    try:
+        cmd_ruler(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
