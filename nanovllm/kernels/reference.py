@@ -1,0 +1,89 @@
+"""Pure-PyTorch paged attention in float32: the definition the Triton kernels are tested against.
+
+Layout (shared with the kernels):
+  q            [T, Hq, D]   new tokens of all sequences, flattened; sequence i owns rows
+                            cu_query_lens[i] : cu_query_lens[i + 1]
+  k/v_cache    [num_blocks, block_size, Hk, D], Hq a multiple of Hk (grouped-query attention)
+  seq_lens     [B]          tokens of KV per sequence, the new ones included (they are its last ones)
+  block_tables [B, max_blocks] block ids per sequence, padded (with -1 or anything) past its blocks
+
+New token j of sequence i sits at position seq_lens[i] - query_len_i + j and sees the keys at
+positions <= its own. Results are (out [T, Hq, D] in q.dtype, lse [T, Hq] float32), where lse is the
+natural-log log-sum-exp of the scaled scores of each row: the handle `merge_attention_states` needs.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every new token over its sequence's cached and new keys, computed in float32."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    starts = cu_query_lens.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        keys = _gather(k_cache, block_tables[i], seq_len)
+        values = _gather(v_cache, block_tables[i], seq_len)
+        out_i, lse_i = _sequence_attention(q[start:end].float(), keys, values, scale)
+        out[start:end] = out_i.to(q.dtype)
+        lse[start:end] = lse_i
+    return out, lse
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence as a float32 [seq_len, Hk, D] tensor."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    blocks = block_table[:num_blocks].to(device=cache.device, dtype=torch.int64)
+    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].float()
+
+
+def _sequence_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, Hq, D] are the last n of the seq_len = len(keys) positions; returns ([n, Hq, D], [n, Hq])."""
+    n, num_heads = q.shape[:2]
+    seq_len, num_kv_heads = keys.shape[:2]
+    group = num_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.einsum("hqk,khd->qhd", probs, values)
+    return out, lse.transpose(0, 1)
+
+
+def merge_attention_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets into attention over their union.
+
+    out_*: [..., D] each normalised over its own keys; lse_*: [...] their natural-log log-sum-exps
+    (-inf for a part without keys; that part's out is ignored, even if it is NaN). Computed in
+    float32; returns (out in out_a.dtype, lse float32). Rows where both parts are empty give
+    out 0 and lse -inf.
+    """
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    peak = torch.maximum(lse_a, lse_b)
+    peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)  # both empty: avoid -inf - -inf
+    weight_a = torch.exp(lse_a - peak)
+    weight_b = torch.exp(lse_b - peak)
+    total = weight_a + weight_b
+    part_a = torch.where(weight_a[..., None] > 0, out_a.float() * weight_a[..., None], 0.0)
+    part_b = torch.where(weight_b[..., None] > 0, out_b.float() * weight_b[..., None], 0.0)
+    out = (part_a + part_b) / torch.where(total > 0, total, 1.0)[..., None]
+    return out.to(out_a.dtype), peak + torch.log(total)

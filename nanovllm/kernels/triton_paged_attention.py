@@ -1,0 +1,455 @@
+"""Triton kernels for attention over the paged KV cache: split-KV decode and varlen chunked prefill.
+
+Layouts are those of `nanovllm.kernels.reference` (which defines the expected results):
+q [T, Hq, D], caches [num_blocks, block_size, Hk, D], cu_query_lens [B + 1], seq_lens [B],
+block_tables [B, max_blocks]. Both entry points return (out [T, Hq, D] in q.dtype, lse [T, Hq] float32,
+natural log). Softmax runs online in float32 in base 2 (scores pre-multiplied by log2(e)).
+
+KV tiles: a KV tile is BLOCK_N consecutive positions with BLOCK_N dividing block_size, so a tile never
+straddles two cache blocks: one block-table load per tile, then contiguous rows of that block.
+
+Decode (every sequence has one new token): grid (B, Hk, num_splits). A program takes one sequence,
+one KV head and all GROUP = Hq / Hk query heads that share it (K/V read once for the group, padded
+to >= 16 rows for tl.dot), and a contiguous range of that sequence's KV tiles: its tiles are cut into
+num_splits ranges of cdiv(tiles, num_splits), so a split may be empty (lse -inf). Splits write
+float32 partials [B, Hq, S, D] / [B, Hq, S]; `_merge_splits_kernel` (grid (B, Hq)) combines them by
+log-sum-exp into the token's row. With one split the kernel writes the final output directly. The
+number of splits depends only on shapes (batch, Hk, block_tables width * block_size, SM count), never
+on data, so the decode path never synchronises with the host and can be captured in a CUDA graph.
+With seq_ids, program i serves sequence seq_ids[i]: the one-token rows of a mixed batch.
+
+Prefill (any query lengths, with or without a cached prefix): grid (Hq, num_work). The host builds
+a small int32 schedule [num_work, 2] of (sequence, query tile of BLOCK_M rows) pairs from the
+query lengths (a Python list, so no device sync), costliest tiles first. A program loads its
+BLOCK_M query rows of one head and walks the KV tiles up to its last row's position: tiles every
+row fully sees run without masks, the few on the diagonal with the causal mask. Grid axis 1 allows
+65535 work items (8M tokens at BLOCK_M = 128).
+
+head_dim must be a power of two (16..256); block_size a multiple of 16.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+MIN_TILES_PER_SPLIT = 4  # a decode split reads at least this many KV tiles (when the bound allows)
+MAX_SPLITS = 64
+WAVES = 4  # decode aims for this many programs per SM
+DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is present (interpreter)
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's CPU interpreter turns scalars into Python ints with int(ndarray of shape (1,)),
+    which numpy >= 2.4 rejects, so `range(tensor_lo, tensor_hi)` fails. Convert via the first element."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_nanovllm_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._nanovllm_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_scalar_index()
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, q_pos, seq_len, k_head_ptr, v_head_ptr, table_ptr, tile_lo, tile_hi, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) with KV tiles [tile_lo, tile_hi) of one sequence.
+
+    MASKED applies the causal mask (key pos <= q_pos) and the end of the sequence (pos < seq_len);
+    unmasked tiles must be fully visible to every row. m_i is in log2 units.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for tile in range(tile_lo, tile_hi):
+        start = tile * BLOCK_N
+        block = tl.load(table_ptr + start // BLOCK_SIZE).to(tl.int64)
+        rows = start % BLOCK_SIZE + offs_n  # rows of this cache block
+        k_ptrs = k_head_ptr + block * stride_kb + rows[None, :] * stride_kt + offs_d[:, None]  # K^T [D, BLOCK_N]
+        v_ptrs = v_head_ptr + block * stride_vb + rows[:, None] * stride_vt + offs_d[None, :]  # V [BLOCK_N, D]
+        if MASKED:
+            k_pos = start + offs_n
+            in_seq = k_pos < seq_len
+            k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _finish(acc, m_i, l_i):
+    """Normalised output and natural-log lse; rows that saw no key give 0 and -inf."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
+    return out, lse
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, seq_ids_ptr, qk_scale,
+    num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
+    DIRECT (one split): write the result at the token's row of out/lse, else partials at [i, head, split]."""
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if INDEXED:
+        seq = tl.load(seq_ids_ptr + i)
+    else:
+        seq = i
+    row = tl.load(cu_ptr + seq).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, num_splits)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, num_tiles)
+    full_tiles = seq_len // BLOCK_N  # tiles without positions past the end
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    head_mask = offs_g < GROUP
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_mask[:, None], other=0.0)
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + seq_len - 1
+
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, lo, tl.minimum(hi, full_tiles), qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, tl.maximum(lo, full_tiles), hi, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION,
+    )
+    out, lse = _finish(acc, m_i, l_i)
+    if DIRECT:
+        dst = row
+    else:
+        dst = i.to(tl.int64)
+    tl.store(out_ptr + dst * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    tl.store(lse_ptr + dst * stride_lt + heads * stride_lh + split * stride_ls, lse, mask=head_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, num_splits,
+    stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, INDEXED: tl.constexpr,
+):
+    """Log-sum-exp merge of the splits of partials [i, head, :] into the token's row of out/lse."""
+    i = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if INDEXED:
+        seq = tl.load(seq_ids_ptr + i)
+    else:
+        seq = i
+    row = tl.load(cu_ptr + seq).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    part_lse = tl.load(part_lse_ptr + i * stride_plt + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
+    peak = tl.max(part_lse, 0)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)  # a sequence without keys: all parts empty
+    weight = tl.exp(part_lse - peak)
+    total = tl.sum(weight, 0)
+    parts = tl.load(part_out_ptr + i * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row * stride_lt + head * stride_lh, peak + tl.log(total))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, schedule_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    work = tl.program_id(1)
+    seq = tl.load(schedule_ptr + 2 * work)
+    q_tile = tl.load(schedule_ptr + 2 * work + 1)
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len + q_tile * BLOCK_M  # position of the tile's first query row
+
+    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows within the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    row_mask = offs_m < q_len
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None], other=0.0)
+    q_pos = seq_len - q_len + offs_m
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kv_head = head // GROUP
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    full_tiles = (first_pos + 1) // BLOCK_N  # every key of these tiles is <= first_pos
+    all_tiles = tl.cdiv(tl.minimum(first_pos + BLOCK_M, seq_len), BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, 0, full_tiles, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, full_tiles, all_tiles, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION,
+    )
+    out, lse = _finish(acc, m_i, l_i)
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(lse_ptr + rows * stride_lt + head * stride_lh, lse, mask=row_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+
+
+def kv_tile_size(block_size: int, cap: int) -> int:
+    """The largest power of two <= cap dividing block_size (a multiple of 16), so tiles stay in a block."""
+    if block_size % 16:
+        raise ValueError(f"block_size must be a multiple of 16, got {block_size}")
+    tile = cap
+    while block_size % tile:
+        tile //= 2
+    return tile
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head): enough programs for WAVES per SM, each split >= MIN_TILES_PER_SPLIT
+    tiles of a max_seq_len sequence. A function of shapes only (CUDA-graph safe)."""
+    max_tiles = -(-max_seq_len // block_n)
+    by_length = max(1, max_tiles // MIN_TILES_PER_SPLIT)
+    by_occupancy = -(-WAVES * num_sms // max(1, num_seqs * num_kv_heads))
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    head_dim = q.shape[-1]
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be a power of two in 16..256, got {head_dim}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    seq_ids: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one new token per sequence (at row cu_query_lens[i]) over its paged KV.
+
+    seq_ids (int32/int64 [n], on the device): serve only these sequences, each with one new token
+    (the decode rows of a mixed batch); rows of other sequences in `out` are left untouched.
+    num_splits defaults to `decode_num_splits` of max_seq_len, itself defaulting to the bound
+    block_tables.shape[1] * block_size, so it is fixed for fixed shapes. out: (out [T, Hq, D],
+    lse [T, Hq] float32) to write into, else new tensors. Returns (out, lse)."""
+    _check(q, k_cache, v_cache)
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_programs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
+    block_n = block_n or decode_tile_size(q.dtype, head_dim, block_size)
+    if num_splits is None:
+        bound = max_seq_len or block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
+    out, lse = out or _new_outputs(q)
+    if num_programs == 0:
+        return out, lse
+    if num_splits == 1:
+        part_out, part_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    else:
+        part_out = torch.empty(num_programs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_programs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    indexed = seq_ids is not None
+    ids = seq_ids if indexed else seq_lens  # an unused pointer when not indexed
+    group = num_heads // num_kv_heads
+    _decode_kernel[(num_programs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, part_out, part_lse, cu_query_lens, seq_lens, block_tables, ids, scale * _LOG2E,
+        num_splits, q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_programs, num_heads)](
+            part_out, part_lse, out, lse, cu_query_lens, ids, num_splits,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), INDEXED=indexed, num_warps=4,
+        )
+    return out, lse
+
+
+def _new_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # query rows per program
+    block_n: int  # keys per KV tile; divides the cache block size
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int) -> PrefillConfig:
+    """Tiles sized so that Q plus num_stages K/V tiles fit in an H100/H200's shared memory."""
+    if dtype == torch.float32:  # 4-byte operands, no 16-bit tensor-core path: smaller tiles
+        return PrefillConfig(64 if head_dim <= 128 else 32, kv_tile_size(block_size, 32), 4, 2)
+    if head_dim <= 128:
+        return PrefillConfig(128, kv_tile_size(block_size, 64), 8 if head_dim == 128 else 4, 3)
+    return PrefillConfig(64, kv_tile_size(block_size, 64), 8, 2)
+
+
+def decode_tile_size(dtype: torch.dtype, head_dim: int, block_size: int) -> int:
+    """Keys per decode KV tile: 64, or 32 when a K row exceeds 512 bytes (float32 with head_dim 256)."""
+    row_bytes = head_dim * dtype.itemsize
+    return kv_tile_size(block_size, 64 if row_bytes <= 512 else 32)
+
+
+def build_prefill_schedule(
+    query_lens: list[int],
+    block_m: int,
+    device: torch.device,
+    seq_lens: list[int] | None = None,
+    skip_single_token: bool = False,
+) -> torch.Tensor:
+    """int32 [num_work, 2]: the (sequence, query tile) each prefill program handles.
+
+    Query tile t of sequence i covers its new tokens t*block_m ... (t+1)*block_m - 1. With seq_lens
+    the costliest tiles (those seeing the most keys) come first, for load balance. skip_single_token
+    leaves out sequences with one new token (served by the decode kernel instead)."""
+    first = 2 if skip_single_token else 1
+    work = [(i, t) for i, n in enumerate(query_lens) if n >= first for t in range(-(-n // block_m))]
+    if seq_lens is not None:
+        def keys_seen(item: tuple[int, int]) -> int:
+            i, t = item
+            return seq_lens[i] - query_lens[i] + min((t + 1) * block_m, query_lens[i])
+
+        work.sort(key=keys_seen, reverse=True)
+    return torch.tensor(work, dtype=torch.int32).reshape(-1, 2).to(device, non_blocking=True)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    schedule: torch.Tensor | None = None,
+    config: PrefillConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    schedule must come from `build_prefill_schedule` with config.block_m; without it, it is built from
+    cu_query_lens and seq_lens (a device-to-host copy); only the rows it covers are written. out:
+    (out [T, Hq, D], lse [T, Hq] float32) to write into, else new tensors. Returns (out, lse)."""
+    _check(q, k_cache, v_cache)
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    config = config or prefill_config(q.dtype, head_dim, block_size)
+    if block_size % config.block_n:
+        raise ValueError(f"block_n={config.block_n} must divide block_size={block_size}")
+    if schedule is None:
+        query_lens = torch.diff(cu_query_lens).tolist()
+        schedule = build_prefill_schedule(query_lens, config.block_m, q.device, seq_lens.tolist())
+    out, lse = out or _new_outputs(q)
+    if schedule.shape[0] == 0:
+        return out, lse
+    _prefill_kernel[(num_heads, schedule.shape[0])](
+        q, k_cache, v_cache, out, lse, cu_query_lens, seq_lens, block_tables, schedule, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, lse
+
+
+__all__ = [
+    "PrefillConfig", "build_prefill_schedule", "decode_num_splits", "decode_tile_size", "kv_tile_size",
+    "paged_decode_attention", "paged_prefill_attention", "prefill_config",
+]

@@ -1,0 +1,96 @@
+"""The "triton" attention backend: Triton kernels over the paged KV cache.
+
+Decode steps (every sequence has one new token) use the split-KV decode kernel, which reads only the
+metadata tensors (cu_query_lens, seq_lens_tensor, block_tables_tensor) and picks its number of
+splits from their shapes, so it can be captured in a CUDA graph. Other steps (prefill, chunked
+prefill) use the varlen prefill kernel, whose work schedule is built on the host from meta.query_lens;
+in a mixed batch the one-token sequences go to the decode kernel, the others to the prefill kernel,
+both writing into the same output. This module imports without Triton; creating the backend needs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, register_attention_backend, store_kv
+
+if TYPE_CHECKING:
+    from nanovllm.kernels.triton_paged_attention import PrefillConfig
+
+
+@dataclass
+class PrefillPlan:
+    """What a non-decode step needs besides the metadata tensors; built once per step, on the host."""
+
+    config: PrefillConfig
+    schedule: torch.Tensor  # int32 [num_work, 2] (sequence, query tile) for the prefill kernel
+    decode_ids: torch.Tensor | None  # int32 one-token sequences of a mixed batch, for the decode kernel
+    longest_decode: int  # their longest seq_len (picks the decode kernel's number of splits)
+
+
+@register_attention_backend("triton")
+class TritonPagedAttention(AttentionBackend):
+    supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        try:
+            from nanovllm.kernels import triton_paged_attention
+        except ImportError as e:
+            raise RuntimeError("the 'triton' attention backend needs the triton package") from e
+        self.ops = triton_paged_attention
+        self._last_plan: tuple[AttentionMetadata, tuple, PrefillPlan] | None = None
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        return self.forward_with_lse(q, k, v, k_cache, v_cache, meta, scale)[0]
+
+    def forward_with_lse(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v into the cache, then returns (out [T, Hq, D], lse [T, Hq] float32 natural log)."""
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        tensors = (q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor, meta.block_tables_tensor, scale)
+        if is_decode_step(q, meta):
+            return self.ops.paged_decode_attention(*tensors)
+        plan = self._plan(q, k_cache, meta)
+        out = self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config)
+        if plan.decode_ids is not None:
+            self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode, out=out)
+        return out
+
+    def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> PrefillPlan:
+        """The step's plan, reused by every layer (same metadata object, same shapes). A metadata
+        object must not be mutated between steps (the model runner builds a new one per step)."""
+        key = (q.dtype, q.shape[-1], k_cache.shape[1], q.device)
+        if self._last_plan is not None and self._last_plan[0] is meta and self._last_plan[1] == key:
+            return self._last_plan[2]
+        plan = self._build_plan(q.dtype, q.shape[-1], k_cache.shape[1], meta, q.device)
+        self._last_plan = (meta, key, plan)
+        return plan
+
+    def _build_plan(self, dtype: torch.dtype, head_dim: int, block_size: int, meta: AttentionMetadata,
+                    device: torch.device) -> PrefillPlan:
+        """Sequences with several new tokens go to the prefill kernel; in a mixed batch the one-token
+        ones go to the decode kernel (GQA-grouped, split over long contexts) instead."""
+        config = self.ops.prefill_config(dtype, head_dim, block_size)
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        mixed = 0 < len(decode) < meta.num_seqs
+        schedule = self.ops.build_prefill_schedule(meta.query_lens, config.block_m, device, meta.seq_lens,
+                                                   skip_single_token=mixed)
+        if not mixed:
+            return PrefillPlan(config, schedule, None, 0)
+        decode_ids = torch.tensor(decode, dtype=torch.int32).to(device, non_blocking=True)
+        return PrefillPlan(config, schedule, decode_ids, max(meta.seq_lens[i] for i in decode))
+
+
+def is_decode_step(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """One new token per sequence. T == num_seqs with every query_len <= 1 means all are exactly 1."""
+    return meta.num_seqs > 0 and q.shape[0] == meta.num_seqs and max(meta.query_lens) == 1

@@ -1,0 +1,404 @@
+"""Paged-attention kernels against the float32 reference, on every output element (out and lse).
+
+Without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
+Triton is imported) at small sizes in float32 (and a little float16). On CUDA the same tests run in
+bfloat16/float16/float32 with block size 256 too, plus tests at real sizes (marked cuda).
+Unused cache slots are filled with NaN, so any read past a sequence's end or through a padded
+block-table entry shows up in the comparison.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from nanovllm.kernels.reference import merge_attention_states, paged_attention_reference
+from nanovllm.layers.attention import get_attention_backend
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32]
+BLOCK_SIZES = [16, 64, 256] if CUDA else [16, 64]
+# (out atol, out rtol, lse atol): the reference reads the same rounded inputs, computes in float32.
+TOLERANCES = {torch.float32: (2e-5, 2e-5, 2e-5), torch.float16: (2e-3, 1e-2, 1e-3),
+              torch.bfloat16: (1e-2, 2e-2, 1e-3)}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    pytest.importorskip("triton")
+    from nanovllm.kernels import triton_paged_attention
+
+    return triton_paged_attention
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor
+    cu_query_lens: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int64 [B, max_blocks], -1 padded
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    def args(self, scale: float) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.cu_query_lens, self.seq_lens, self.block_tables, scale)
+
+
+def make_batch(query_lens: list[int], seq_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
+               block_size: int, dtype: torch.dtype, seed: int = 0, q_scale: float = 1.0) -> Batch:
+    """Random caches with shuffled block ids; slots past each sequence's end and spare blocks hold NaN."""
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    counts = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(counts) + 3
+    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [ids[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn(shape, generator=g, device=DEVICE, dtype=dtype)
+    _poison_unused(k_cache, v_cache, tables, seq_lens, ids[sum(counts):])
+    width = max(counts)
+    padded = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int64, device=DEVICE)
+    cu = torch.tensor([0] + [sum(query_lens[: i + 1]) for i in range(len(query_lens))], dtype=torch.int32)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=g, device=DEVICE, dtype=dtype)
+    return Batch(q * q_scale, k_cache, v_cache, cu.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                 padded, list(query_lens), list(seq_lens))
+
+
+def _poison_unused(k_cache, v_cache, tables, seq_lens, spare_blocks) -> None:
+    block_size = k_cache.shape[1]
+    for table, seq_len in zip(tables, seq_lens):
+        tail = seq_len - (len(table) - 1) * block_size
+        for cache in (k_cache, v_cache):
+            cache[table[-1], tail:] = float("nan")
+    for cache in (k_cache, v_cache):
+        cache[spare_blocks] = float("nan")
+
+
+def assert_matches(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], dtype) -> None:
+    out_atol, out_rtol, lse_atol = TOLERANCES[dtype]
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=out_atol, rtol=out_rtol)
+    torch.testing.assert_close(got[1], want[1], atol=lse_atol, rtol=1e-5)
+
+
+def random_mixed_lens(rng: random.Random, num_seqs: int, max_query: int, max_seq: int) -> tuple[list[int], list[int]]:
+    """Decode rows, whole prefills (no cached prefix) and chunks over a cached prefix, shuffled."""
+    query_lens, seq_lens = [1, 1], [max_seq, rng.randint(1, max_seq)]  # one decode row at the longest length
+    q = rng.randint(1, max_query)
+    query_lens.append(q), seq_lens.append(q)  # whole prefill
+    q = rng.randint(1, max_query)
+    query_lens.append(q), seq_lens.append(rng.randint(q + 1, max_seq))  # chunk over a cached prefix
+    while len(query_lens) < num_seqs:
+        q = rng.randint(1, max_query)
+        query_lens.append(q), seq_lens.append(rng.randint(q, max_seq))
+    order = list(range(len(query_lens)))
+    rng.shuffle(order)
+    return [query_lens[i] for i in order], [seq_lens[i] for i in order]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference and merge (no Triton needed)
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
+    """q [n, H, D] over all of keys/values [S, H, D] (no mask); returns (out [n, H, D], lse [n, H])."""
+    scores = torch.einsum("qhd,khd->qhk", q, keys) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("qhk,khd->qhd", torch.exp(scores - lse[..., None]), values), lse
+
+
+def test_merge_of_two_key_parts_equals_attention_over_all_keys():
+    g = torch.Generator().manual_seed(0)
+    q, keys, values = (torch.randn(n, 4, 32, generator=g, dtype=torch.float64) for n in (5, 40, 40))
+    full = dense_attention(q, keys, values, 0.2)
+    for cut in (1, 17, 39):
+        a = dense_attention(q, keys[:cut], values[:cut], 0.2)
+        b = dense_attention(q, keys[cut:], values[cut:], 0.2)
+        torch.testing.assert_close(merge_attention_states(*a, *b), (full[0], full[1].float()))
+        torch.testing.assert_close(merge_attention_states(*b, *a), (full[0], full[1].float()))
+
+
+def test_merge_with_an_empty_part():
+    g = torch.Generator().manual_seed(1)
+    out, lse = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, generator=g)
+    empty_out, empty_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("-inf"))
+    torch.testing.assert_close(merge_attention_states(out, lse, empty_out, empty_lse), (out, lse))
+    torch.testing.assert_close(merge_attention_states(empty_out, empty_lse, out, lse), (out, lse))
+    merged_out, merged_lse = merge_attention_states(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.equal(merged_out, torch.zeros_like(out)) and torch.isneginf(merged_lse).all()
+
+
+def test_reference_matches_torch_backend():
+    rng = random.Random(0)
+    query_lens, seq_lens = random_mixed_lens(rng, 6, 40, 120)
+    b = make_batch(query_lens, seq_lens, num_kv_heads=2, group=3, head_dim=32, block_size=16, dtype=torch.float32)
+    out, lse = paged_attention_reference(*b.args(0.17))
+    backend = get_attention_backend("torch")
+    meta = backend.build_metadata(query_lens, seq_lens, [[int(x) for x in t if x >= 0] for t in b.block_tables],
+                                  _new_token_slots(b), b.k_cache.shape[1], DEVICE)
+    new_k, new_v = _new_kv(b, meta.slot_mapping)
+    want = backend.forward(b.q, new_k, new_v, b.k_cache, b.v_cache, meta, 0.17)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert lse.shape == out.shape[:2] and torch.isfinite(lse).all()
+
+
+def _new_token_slots(b: Batch) -> list[int]:
+    """Cache slots of each sequence's new (last query_len) tokens."""
+    bs = b.k_cache.shape[1]
+    slots = []
+    for i, (n, s) in enumerate(zip(b.query_lens_list, b.seq_lens_list)):
+        table = b.block_tables[i].tolist()
+        slots += [table[p // bs] * bs + p % bs for p in range(s - n, s)]
+    return slots
+
+
+def _new_kv(b: Batch, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V already in the cache at the new tokens' slots (writing them back changes nothing)."""
+    heads, dim = b.k_cache.shape[2:]
+    return b.k_cache.view(-1, heads, dim)[slots].clone(), b.v_cache.view(-1, heads, dim)[slots].clone()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels at small sizes (CPU interpreter or CUDA)
+
+HEADS = [(2, 1), (1, 4), (1, 8)]  # (num_kv_heads, group = Hq / Hk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads,group", HEADS)
+def test_prefill_kernel_mixed_batch(ops, kv_heads, group, head_dim, block_size, dtype):
+    rng = random.Random(hash((kv_heads, group, head_dim, block_size)) % 1000)
+    query_lens, seq_lens = random_mixed_lens(rng, 5, 70, 300)
+    b = make_batch(query_lens, seq_lens, kv_heads, group, head_dim, block_size, dtype, seed=rng.randint(0, 99))
+    scale = head_dim**-0.5
+    assert_matches(ops.paged_prefill_attention(*b.args(scale)), paged_attention_reference(*b.args(scale)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads,group", HEADS)
+def test_decode_kernel(ops, kv_heads, group, head_dim, block_size, dtype):
+    rng = random.Random(hash((kv_heads, group, head_dim, block_size, 1)) % 1000)
+    seq_lens = [1, 300, rng.randint(2, 300), 2 * block_size]  # one key, long, random, exactly full blocks
+    b = make_batch([1] * 4, seq_lens, kv_heads, group, head_dim, block_size, dtype, seed=rng.randint(0, 99))
+    scale = head_dim**-0.5
+    want = paged_attention_reference(*b.args(scale))
+    assert_matches(ops.paged_decode_attention(*b.args(scale)), want, dtype)
+    assert_matches(ops.paged_decode_attention(*b.args(scale), num_splits=1), want, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+def test_decode_splits_including_empty_ones(ops, num_splits):
+    """16 splits over sequences of 1..4 tiles leave most splits without keys."""
+    b = make_batch([1] * 5, [1, 15, 16, 17, 64], 1, 4, 64, 16, torch.float32, seed=num_splits)
+    want = paged_attention_reference(*b.args(0.125))
+    assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=num_splits, block_n=16), want, torch.float32)
+
+
+@pytest.mark.parametrize("block_m,block_n,block_size", [(16, 16, 16), (32, 16, 64), (128, 64, 64), (64, 32, 32)])
+def test_prefill_tile_shapes(ops, block_m, block_n, block_size):
+    rng = random.Random(block_m + block_n)
+    query_lens, seq_lens = random_mixed_lens(rng, 4, 70, 200)
+    b = make_batch(query_lens, seq_lens, 1, 4, 64, block_size, torch.float32, seed=3)
+    schedule = ops.build_prefill_schedule(query_lens, block_m, DEVICE, seq_lens)
+    config = ops.PrefillConfig(block_m, block_n, num_warps=4, num_stages=2)
+    got = ops.paged_prefill_attention(*b.args(0.125), schedule=schedule, config=config)
+    assert_matches(got, paged_attention_reference(*b.args(0.125)), torch.float32)
+
+
+def test_kernels_in_float16(ops):
+    query_lens, seq_lens = [1, 33, 5], [90, 33, 70]
+    b = make_batch(query_lens, seq_lens, 2, 2, 64, 16, torch.float16, seed=5)
+    want = paged_attention_reference(*b.args(0.125))
+    assert_matches(ops.paged_prefill_attention(*b.args(0.125)), want, torch.float16)
+    d = make_batch([1, 1], [90, 7], 2, 2, 64, 16, torch.float16, seed=6)
+    assert_matches(ops.paged_decode_attention(*d.args(0.125), num_splits=2), paged_attention_reference(*d.args(0.125)),
+                   torch.float16)
+
+
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_other_head_dims(ops, head_dim):
+    dtype = DTYPES[0]
+    b = make_batch([1, 40], [70, 90], 1, 2, head_dim, 16, dtype, seed=8)
+    want = paged_attention_reference(*b.args(0.1))
+    assert_matches(ops.paged_prefill_attention(*b.args(0.1)), want, dtype)
+    d = make_batch([1, 1], [70, 90], 1, 2, head_dim, 16, dtype, seed=9)
+    assert_matches(ops.paged_decode_attention(*d.args(0.1)), paged_attention_reference(*d.args(0.1)), dtype)
+
+
+def test_head_dim_not_a_power_of_two_is_refused(ops):
+    b = make_batch([1], [5], 1, 1, 96, 16, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.paged_decode_attention(*b.args(0.1))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_batch_split_between_kernels(ops, num_splits):
+    """One-token rows through the decode kernel (seq_ids), the others through the prefill kernel."""
+    query_lens, seq_lens = [1, 30, 1, 1, 7], [200, 30, 1, 64, 90]
+    b = make_batch(query_lens, seq_lens, 1, 4, 64, 16, torch.float32, seed=13)
+    schedule = ops.build_prefill_schedule(query_lens, 64, DEVICE, seq_lens, skip_single_token=True)
+    assert sorted(seq for seq, _ in schedule.tolist()) == [1, 4]
+    out = ops.paged_prefill_attention(*b.args(0.125), schedule=schedule)
+    seq_ids = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
+    got = ops.paged_decode_attention(*b.args(0.125), seq_ids=seq_ids, num_splits=num_splits, out=out)
+    assert got[0] is out[0]
+    assert_matches(got, paged_attention_reference(*b.args(0.125)), torch.float32)
+
+
+def test_int32_block_tables(ops):
+    b = make_batch([1, 20], [40, 50], 1, 2, 64, 16, torch.float32, seed=7)
+    want = paged_attention_reference(*b.args(0.125))
+    b.block_tables = b.block_tables.to(torch.int32)
+    assert_matches(ops.paged_prefill_attention(*b.args(0.125)), want, torch.float32)
+
+
+def test_num_splits_depend_on_shapes_only(ops):
+    assert ops.decode_num_splits(64, 8, 32768, 64, 132) == 2  # 512 programs already; 4 waves want 528
+    assert ops.decode_num_splits(1, 8, 32768, 64, 132) == 64  # capped by MAX_SPLITS
+    assert ops.decode_num_splits(1, 8, 256, 64, 132) == 1  # 4 tiles: no split
+    assert ops.decode_num_splits(4, 2, 1024, 64, 132) == 4  # 16 tiles, >= 4 tiles per split
+    assert ops.kv_tile_size(256, 64) == 64 and ops.kv_tile_size(48, 64) == 16 and ops.kv_tile_size(32, 64) == 32
+    assert ops.decode_tile_size(torch.bfloat16, 128, 256) == 64 and ops.decode_tile_size(torch.float32, 256, 256) == 32
+
+
+def test_prefill_schedule_costliest_first(ops):
+    schedule = ops.build_prefill_schedule([3, 130, 1], 64, torch.device("cpu"), [3, 1000, 2000])
+    assert schedule.dtype == torch.int32
+    assert schedule.tolist() == [[2, 0], [1, 2], [1, 1], [1, 0], [0, 0]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend: KV writes plus attention, against the torch backend
+
+
+def _run_backend(name: str, b: Batch, meta_args: tuple, new_k, new_v, scale: float):
+    backend = get_attention_backend(name)
+    meta = backend.build_metadata(*meta_args)
+    k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
+    out = backend.forward(b.q, new_k, new_v, k_cache, v_cache, meta, scale)
+    return backend, meta, out, k_cache, v_cache
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "mixed"])
+def test_backend_matches_torch_backend(ops, decode):
+    rng = random.Random(int(decode))
+    if decode:
+        query_lens, seq_lens = [1] * 4, [rng.randint(1, 150) for _ in range(4)]
+    else:
+        query_lens, seq_lens = random_mixed_lens(rng, 5, 40, 150)
+    dtype = DTYPES[0]
+    b = make_batch(query_lens, seq_lens, 2, 4, 64, 16, dtype, seed=11)
+    tables = [[int(x) for x in t if x >= 0] for t in b.block_tables]
+    slots = _new_token_slots(b)
+    g = torch.Generator(DEVICE).manual_seed(12)
+    new_k, new_v = (torch.randn(len(slots), 2, 64, generator=g, device=DEVICE, dtype=dtype) for _ in range(2))
+    meta_args = (query_lens, seq_lens, tables, slots, 16, DEVICE)
+    _, _, want, want_k, want_v = _run_backend("torch", b, meta_args, new_k, new_v, 0.125)
+    backend, meta, got, got_k, got_v = _run_backend("triton", b, meta_args, new_k, new_v, 0.125)
+    assert torch.equal(got_k.nan_to_num(), want_k.nan_to_num()) and torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
+    out_atol, out_rtol, _ = TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=out_atol, rtol=out_rtol)
+    out, lse = backend.forward_with_lse(b.q, new_k, new_v, got_k, got_v, meta, 0.125)
+    ref = paged_attention_reference(b.q, got_k, got_v, meta.cu_query_lens, meta.seq_lens_tensor,
+                                    meta.block_tables_tensor, 0.125)
+    assert_matches((out, lse), ref, dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_model_greedy_tokens_match_torch_backend(tiny_llama, device):
+    """End to end through the engine: chunked prefill, a shared prefix hit, batched decode."""
+    pytest.importorskip("triton")
+    if device == "cpu" and CUDA:
+        pytest.skip("Triton runs on the CPU only through the interpreter")
+    from nanovllm import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 256, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 21)]
+    prompts.append(torch.randint(0, 256, (9,), generator=g).tolist())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=48,
+                  device=device, dtype="float32", attention_backend=backend)
+        tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["triton"] == tokens["torch"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Real sizes (CUDA only)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_decode_long_contexts_cuda(ops, dtype):
+    rng = random.Random(0)
+    seq_lens = [32768, 1, 256, 257] + [rng.randint(1, 32768) for _ in range(60)]
+    b = make_batch([1] * 64, seq_lens, 8, 4, 128, 256, dtype, seed=1, q_scale=2.0)
+    scale = 128**-0.5
+    want = paged_attention_reference(*b.args(scale))
+    assert_matches(ops.paged_decode_attention(*b.args(scale)), want, dtype)
+    assert_matches(ops.paged_decode_attention(*b.args(scale), num_splits=16), want, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_prefill_chunk_over_long_cached_prefix_cuda(ops, dtype):
+    """A 4K-token chunk over an 8K cached prefix, batched with a decode row and a short prefill."""
+    query_lens, seq_lens = [4096, 1, 300], [4096 + 8192, 5000, 300]
+    b = make_batch(query_lens, seq_lens, 8, 4, 128, 256, dtype, seed=2, q_scale=2.0)
+    scale = 128**-0.5
+    assert_matches(ops.paged_prefill_attention(*b.args(scale)), paged_attention_reference(*b.args(scale)), dtype)
+
+
+@pytest.mark.cuda
+def test_decode_without_host_sync_and_in_cuda_graph(ops):
+    """The backend's decode path runs under sync-debug 'error' and replays in a CUDA graph on new data."""
+    dtype, block_size, width = torch.bfloat16, 256, 32  # table width 32: a bound of 8192 tokens
+    b = make_batch([1] * 8, [4096] * 8, 8, 4, 128, block_size, dtype, seed=3)
+    backend = get_attention_backend("triton")
+    tables = [[int(x) for x in t] for t in b.block_tables]
+    meta = backend.build_metadata([1] * 8, [4096] * 8, tables, _new_token_slots(b), block_size, DEVICE)
+    meta.block_tables_tensor = torch.nn.functional.pad(meta.block_tables_tensor, (0, width - 16), value=-1)
+    new_k, new_v = _new_kv(b, meta.slot_mapping)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return backend.forward_with_lse(b.q, new_k, new_v, b.k_cache, b.v_cache, meta, 0.1)
+
+    run()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    new_lens = torch.tensor([1, 17, 256, 257, 1000, 2048, 3000, 4096], dtype=torch.int32, device=DEVICE)
+    meta.seq_lens_tensor.copy_(new_lens)
+    b.q.copy_(torch.randn_like(b.q))
+    last = [n - 1 for n in new_lens.tolist()]
+    slots = [tables[i][p // block_size] * block_size + p % block_size for i, p in enumerate(last)]
+    meta.slot_mapping.copy_(torch.tensor(slots, device=DEVICE))
+    new_k.copy_(_new_kv(b, meta.slot_mapping)[0]), new_v.copy_(_new_kv(b, meta.slot_mapping)[1])
+    graph.replay()
+    want = paged_attention_reference(b.q, b.k_cache, b.v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
+                                      meta.block_tables_tensor, 0.1)
+    assert_matches((out, lse), want, dtype)
