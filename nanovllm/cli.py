@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
     add_engine_options(gen)
     gen.set_defaults(func=cmd_generate)
+    from nanovllm.eval.ruler.run import add_ruler_parser
+
+    add_ruler_parser(sub)
     return parser
 
 

@@ -66,10 +66,9 @@ class DecodeGraphs:
         b = len(token_ids)
         bs = next(size for size in self.buckets if size >= b)
         width = self.block_tables.shape[1]
-        tables = torch.full((bs, width), self.scratch_block, dtype=torch.int64)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
         pad = bs - b
+        padded = [t + [self.scratch_block] * (width - len(t)) for t in block_tables]
+        tables = torch.tensor(padded + [[self.scratch_block] * width] * pad, dtype=torch.int64)
         host = {
             "ids": torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
             "pos": torch.tensor(positions + [0] * pad, dtype=torch.int64),

@@ -131,16 +131,19 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
         start = 0
         for query_len, seq_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor):
-            qi = q[start : start + query_len].transpose(0, 1)  # [Hq, n, D]
-            ki = gather_kv(k_cache, table, seq_len).transpose(0, 1)
-            vi = gather_kv(v_cache, table, seq_len).transpose(0, 1)
+            qi = q[start : start + query_len].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D for the fused kernels
+            ki = gather_kv(k_cache, table, seq_len).transpose(0, 1)[None]
+            vi = gather_kv(v_cache, table, seq_len).transpose(0, 1)[None]
+            if group > 1:  # explicit GQA expansion: SDPA's enable_gqa falls back to the slow math kernel
+                ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             if query_len == seq_len:  # no cached prefix: plain causal attention, the fastest SDPA path
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
             else:
                 mask = causal_mask(query_len, seq_len, q.device)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start : start + query_len] = oi.transpose(0, 1)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            out[start : start + query_len] = oi[0].transpose(0, 1)
             start += query_len
         return out

@@ -56,9 +56,10 @@ def sample(
     if not all(p.greedy for p in params):
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         probs = filter_logits(logits, params).softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(probs).exponential_(generator=default_generator)
         for i, gen in enumerate(generators):
-            noise[i].exponential_(generator=gen if gen is not None else default_generator)
+            if gen is not None:  # seeded requests draw from their own stream
+                noise[i].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     token_list = tokens.tolist()
