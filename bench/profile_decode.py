@@ -1,0 +1,74 @@
+"""Where a decode step's time goes: torch.profiler over eager decode steps, kernels grouped by kind,
+and the CUDA-graph step time beside the HBM floor of the same step.
+
+    PYTHONPATH=. python3 bench/profile_decode.py [--config bench/configs/llama-3.1-8b] [--batch 1] [--context 1024]
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common import HERE, log, measure_hbm_bandwidth, require_cuda, save_results
+from nanovllm import LLM, SamplingParams
+
+KINDS = [("attention", ("paged", "attention", "merge")), ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "matmul")),
+         ("kv store", ("index_copy", "indexcopy")), ("norm/rope/elementwise", ("elementwise", "reduce", "cat", "mean", "pow"))]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def step_time_ms(llm: LLM, prompts: list[list[int]], steps: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return 1e3 * sum(o.metrics.time_per_output_token for o in outs) / len(outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(HERE / "configs" / "llama-3.1-8b"))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    args = ap.parse_args()
+    require_cuda()
+    bandwidth = measure_hbm_bandwidth()
+    prompts = [[(7 * i + j) % 1000 for j in range(args.context)] for i in range(args.batch)]
+    results = {}
+    for eager in (False, True):
+        llm = LLM(args.config, load_format="dummy", max_model_len=args.context + 64, max_num_seqs=args.batch,
+                  enforce_eager=eager, gpu_memory_utilization=0.5)
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        results["eager_ms" if eager else "graph_ms"] = step_time_ms(llm, prompts, args.steps)
+        if eager:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step_time_ms(llm, prompts, args.steps)
+        weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
+        del llm
+        torch.cuda.empty_cache()
+    by_kind: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.device_time_total > 0:
+            by_kind[kind_of(evt.key)] += evt.device_time_total / 1e3
+    gpu_ms = sum(by_kind.values())
+    results["floor_ms_weights"] = 1e3 * weights / bandwidth
+    results["gpu_busy_ms_per_step"] = gpu_ms / args.steps
+    results["kernel_ms_per_step"] = {k: v / args.steps for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+    log(f"step: CUDA graph {results['graph_ms']:.2f} ms, eager {results['eager_ms']:.2f} ms, "
+        f"GPU busy {results['gpu_busy_ms_per_step']:.2f} ms, weight floor {results['floor_ms_weights']:.2f} ms")
+    for kind, ms in results["kernel_ms_per_step"].items():
+        log(f"  {kind:24s} {ms:6.2f} ms/step")
+    log(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
+    save_results("profile_decode", results)
+
+
+if __name__ == "__main__":
+    main()
