@@ -13,7 +13,7 @@ from torch import nn
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.norm import RMSNorm
-from nanovllm.layers.rotary import RotaryEmbedding
+from nanovllm.layers.rotary import RotaryEmbedding, apply_rotary
 from nanovllm.models.registry import register_model
 
 
@@ -65,7 +65,7 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -76,17 +76,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary = [rotary]  # shared, kept out of the module tree so it is not a per-layer buffer
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, positions, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
@@ -103,15 +102,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), k_cache, v_cache, meta)
+    def forward(self, rope, x, k_cache, v_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,14 +119,15 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            x = layer(positions, x, k_cache, v_cache, meta)
+            x = layer(rope, x, k_cache, v_cache, meta)
         return self.norm(x)
 
 
