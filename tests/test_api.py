@@ -132,3 +132,16 @@ def test_logprobs_are_normalised(llm):
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1, logprobs=256), use_tqdm=False)[0]
     total = torch.tensor(list(out.outputs[0].logprobs[0].values())).exp().sum()
     assert abs(float(total) - 1.0) < 1e-4
+
+
+def test_checkpoint_missing_a_projection_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "llama")
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 1 tensors, e.g. \\['model.layers.1.self_attn.qkv_proj.weight'\\]"):
+        LLM(str(path), num_kvcache_blocks=4, device="cpu")

@@ -35,19 +35,23 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     ignored = model.ignored_checkpoint_keys()
-    loaded: set[str] = set()
+    rows_loaded: dict[str, int] = {}
     for name, tensor in iter_checkpoint(model_dir):
-        if name not in params:
+        target, row = model.checkpoint_target(name)
+        if target not in params:
             if name in ignored or name.endswith("rotary_emb.inv_freq"):
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+        param = params[target]
+        fits = tensor.dim() > 0 and row + tensor.shape[0] <= param.shape[0]
+        dest = param.narrow(0, row, tensor.shape[0]) if fits else param
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit {target} "
+                             f"{tuple(param.shape)} at row {row}")
         with torch.no_grad():
-            param.copy_(tensor)
-        loaded.add(name)
-    missing = sorted(set(params) - loaded)
+            dest.copy_(tensor)
+        rows_loaded[target] = rows_loaded.get(target, 0) + tensor.shape[0]
+    missing = sorted(n for n, p in params.items() if rows_loaded.get(n, 0) != p.shape[0])
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
