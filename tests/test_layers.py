@@ -7,7 +7,7 @@ from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import rope_inverse_frequencies
 
 
-def test_rmsnorm_half_precision_matches_float32_definition():
+def test_rmsnorm_matches_its_definition():
     torch.manual_seed(0)
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
@@ -32,3 +32,15 @@ def test_llama3_rope_keeps_high_and_divides_low_frequencies():
     torch.testing.assert_close(scaled[low], base[low] / 8)
     middle = ~high & ~low
     assert bool(((scaled[middle] < base[middle]) & (scaled[middle] > base[middle] / 8)).all())
+
+
+def test_rmsnorm_equals_hf_llama_rmsnorm_in_bf16():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(1)
+    ours, hf = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        hf.weight.copy_(ours.weight)
+    x = (torch.randn(16, 576) * 3).to(torch.bfloat16)
+    assert torch.equal(ours.to(torch.bfloat16)(x), hf.to(torch.bfloat16)(x))

@@ -1,4 +1,4 @@
-"""RMSNorm: in float32 exactly as HF Llama computes it; in half precision through torch's fused op."""
+"""RMSNorm with HF Llama's numerics: normalise in float32, cast to the input dtype, then scale."""
 from __future__ import annotations
 
 import torch
@@ -13,9 +13,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:  # half precision: torch's fused kernel (rounding differs by <= 1 ulp)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Normalise in float32 with torch's fused kernel, cast back, then scale: HF Llama's order.
+        # (Scaling before the cast, as F.rms_norm on half inputs does, changes SmolLM2's bf16 answers.)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
