@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     from nanovllm.eval.ruler.run import add_ruler_parser
 
     add_ruler_parser(sub)
+    from nanovllm.eval.needle import add_needle_parser
+
+    add_needle_parser(sub)
+    from nanovllm.eval.ppl import add_ppl_parser
+
+    add_ppl_parser(sub)
     return parser
 
 

@@ -31,6 +31,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token; None for the first
 
     # Shortcuts for the single-completion case.
     @property

@@ -157,7 +157,9 @@ class LLMEngine:
                                  seq.finish_time, seq.num_cached_tokens, seq.num_preemptions)
         completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason,
                                       list(seq.logprobs) if seq.params.logprobs is not None else None)
-        return RequestOutput(req.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics)
+        prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
+        return RequestOutput(req.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics,
+                             prompt_logprobs)
 
 
 def _load_tokenizer(model_dir: Path):

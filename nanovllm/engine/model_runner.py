@@ -11,7 +11,7 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
-from nanovllm.layers.sampler import SamplerOutput, sample
+from nanovllm.layers.sampler import SamplerOutput, logprob_entries, sample
 from nanovllm.models.loader import build_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -140,6 +140,7 @@ class ModelRunner:
         else:
             ids, positions, meta, rows = self._prepare(scheduled)
             hidden = self.model(ids, positions, self.kv_cache, meta)
+            self._prompt_logprobs(hidden, scheduled)
             if not sampling:
                 return {}
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
@@ -147,6 +148,20 @@ class ModelRunner:
             logits, [s.params for s in sampling], [self._generator(s) for s in sampling], self.default_generator
         )
         return {s.seq_id: (t, lp) for s, t, lp in zip(sampling, out.token_ids, out.logprobs)}
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledSeq], rows_per_chunk: int = 1024) -> None:
+        """Append, for requests that asked, the logprob of each prompt token this step's rows predict."""
+        row = 0
+        for item in scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            end = min(start + n, seq.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+            if seq.params.prompt_logprobs is not None and end > start:
+                for lo in range(start, end, rows_per_chunk):
+                    hi = min(lo + rows_per_chunk, end)
+                    logits = self.model.compute_logits(hidden[row + lo - start : row + hi - start])
+                    seq.prompt_logprobs.extend(
+                        logprob_entries(logits, seq.token_ids[lo + 1 : hi + 1], seq.params.prompt_logprobs))
+            row += n
 
     @staticmethod
     def _is_decode(scheduled: list[ScheduledSeq]) -> bool:

@@ -65,7 +65,9 @@ class Scheduler:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.block_manager.match_prefix(seq.token_ids)
+            # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
+            wants_prompt_logprobs = seq.params.prompt_logprobs is not None
+            prefix = [] if wants_prompt_logprobs else self.block_manager.match_prefix(seq.token_ids)
             cached = len(prefix) * self.block_manager.block_size
             n = min(len(seq) - cached, budget)
             if not self.block_manager.can_admit(prefix, cached + n):

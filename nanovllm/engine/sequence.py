@@ -31,6 +31,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.output_text = ""
         self.logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] = [None]  # the first token has no context
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
@@ -77,6 +78,7 @@ class Sequence:
         self.block_table = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.prompt_logprobs = [None]  # recomputed with the prompt
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING
 

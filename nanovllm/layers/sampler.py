@@ -70,18 +70,19 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingPara
     wanted = [p.logprobs for p in params]
     if all(n is None for n in wanted):
         return [None] * len(params)
-    logp = logits.log_softmax(dim=-1)
-    top_n = max(n or 0 for n in wanted)
-    top_vals, top_ids = logp.topk(top_n, dim=-1) if top_n else (None, None)
+    entries = logprob_entries(logits, tokens, [n or 0 for n in wanted])
+    return [None if n is None else e for e, n in zip(entries, wanted)]
+
+
+def logprob_entries(logits: torch.Tensor, tokens: list[int], top_n: int | list[int]) -> list[dict[int, float]]:
+    """Per row: {token: logprob} of the given token first, then the row's top_n most likely tokens."""
+    counts = top_n if isinstance(top_n, list) else [top_n] * len(tokens)
+    logp = logits.float().log_softmax(dim=-1)
     chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
-    out: list[dict[int, float] | None] = []
-    for i, n in enumerate(wanted):
-        if n is None:
-            out.append(None)
-            continue
-        entry = {tokens[i]: chosen[i]}
-        if n:
-            for tid, val in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()):
+    entries = [{t: c} for t, c in zip(tokens, chosen)]
+    if max(counts, default=0):
+        top_vals, top_ids = logp.topk(max(counts), dim=-1)
+        for entry, ids, vals, n in zip(entries, top_ids.tolist(), top_vals.tolist(), counts):
+            for tid, val in zip(ids[:n], vals[:n]):
                 entry.setdefault(tid, val)
-        out.append(entry)
-    return out
+    return entries
