@@ -30,3 +30,21 @@ def test_ruler_end_to_end_smollm2(tmp_path):
     saved = json.loads((tmp_path / "ruler.json").read_text())
     assert len(saved["samples"]) == 6 and saved["timings"]["samples_per_s"] > 0
     assert (tmp_path / "ruler.md").exists()
+
+
+@pytest.mark.slow
+def test_saved_samples_and_hf_cross_check(tmp_path, smollm2_path):
+    """Samples written by --save-samples run unchanged; HF transformers scores the same prompts."""
+    from nanovllm import LLM
+    from nanovllm.eval.ruler.run import main, run_ruler
+
+    samples_file = tmp_path / "samples.json.gz"
+    main(["--model", str(smollm2_path), "--lengths", "1024", "--tasks", "niah_single_1", "vt", "--samples", "1",
+          "--save-samples", str(samples_file)])
+    llm = LLM(str(smollm2_path), device="cpu", max_model_len=1024, kvcache_block_size=16)
+    result = run_ruler(llm, [1024], ["niah_single_1", "vt"], 1, tmp_path / "out", samples_file=samples_file,
+                       hf_check=True, use_tqdm=False)
+    hf = result["hf_check"]
+    assert hf["samples"] == 2 and set(hf["summary"]["tasks"]) == {"niah_single_1", "vt"}
+    # float32 on both sides: greedy predictions should agree exactly
+    assert hf["identical_predictions"] == 2, [(r["prediction"], r["hf_prediction"]) for r in result["records"]]

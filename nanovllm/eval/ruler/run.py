@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -15,13 +16,16 @@ from nanovllm.eval.ruler.templates import TEMPLATE_KINDS, Prompter
 
 
 def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str | Path = "ruler_results",
-              template: str = "chat", use_tqdm: bool = True, seed: int = DEFAULT_SEED) -> dict:
+              template: str = "chat", use_tqdm: bool = True, seed: int = DEFAULT_SEED,
+              samples_file: str | Path | None = None, hf_check: bool = False) -> dict:
     """Generate RULER samples, run them all through ``llm.generate`` as one batch, score and report.
 
     Greedy decoding, per-task max_tokens, prompts passed as token ids (tokenized without special
     tokens, so the budget is exactly what was measured). Writes ``ruler.json`` (every prompt,
     prediction, references and score), ``ruler.md`` and ``ruler.png`` to ``output_dir`` and prints
     the table. Returns {"summary", "records", "timings", "files"}.
+    samples_file: read pre-generated samples (see save_samples) instead of generating them.
+    hf_check: also run the prompts through HF transformers and score those predictions the same way.
     """
     from nanovllm.sampling_params import SamplingParams
 
@@ -36,8 +40,11 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     out_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    data.ensure_ruler_data()
-    samples = generate_samples(llm.tokenizer, lengths, names, num_samples, template, seed)
+    if samples_file:
+        samples = [s for s in load_samples(samples_file) if s["task"] in names and s["length"] in lengths]
+    else:
+        data.ensure_ruler_data()
+        samples = generate_samples(llm.tokenizer, lengths, names, num_samples, template, seed)
     prompter = Prompter(llm.tokenizer, template)
     token_ids = [prompter.encode(s["prompt"]) for s in samples]
     for s, ids in zip(samples, token_ids):
@@ -57,6 +64,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
                         "finish_reason": out.finish_reason, "score": score, "passed": passed(score)})
     summary = summarize(records)
     engine_s = finished - generated
+    hf = _hf_check(llm, samples, token_ids, records, use_tqdm) if hf_check else None
     prompt_tokens = sum(len(ids) for ids in token_ids)
     output_tokens = sum(r["output_tokens"] for r in records)
     timings = {
@@ -73,17 +81,46 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
               "template": template, "seed": seed, "max_model_len": limit,
               "data_packages": [p.requirement for p in data.PACKAGES.values()]}
     files = {"json": out_dir / "ruler.json", "markdown": out_dir / "ruler.md"}
-    files["json"].write_text(json.dumps({"config": config, "summary": summary, "timings": timings,
+    files["json"].write_text(json.dumps({"config": config, "summary": summary, "timings": timings, "hf_check": hf,
                                          "samples": records}, indent=1, ensure_ascii=False) + "\n")
     speed = (f"{len(records)} samples in {engine_s:.1f} s: {timings['samples_per_s']} samples/s, "
              f"{timings['tokens_per_s']} tokens/s ({prompt_tokens} prompt + {output_tokens} output tokens)")
-    files["markdown"].write_text(f"# RULER: {Path(model).name or model}\n\n{table}\n\n{speed}\n")
+    hf_text = "" if hf is None else (f"\n\nHF transformers on the same prompts ({hf['identical_predictions']}/"
+                                     f"{hf['samples']} predictions identical):\n\n{markdown_table(hf['summary'])}")
+    files["markdown"].write_text(f"# RULER: {Path(model).name or model}\n\n{table}\n\n{speed}{hf_text}\n")
     chart = save_chart(summary, out_dir / "ruler.png", title=f"RULER: {Path(model).name or model} ({template})")
     if chart is not None:
         files["chart"] = chart
     print(f"\nRULER on {model} ({template} template)\n\n{table}\n\n{speed}\nresults: {out_dir}")
-    return {"summary": summary, "records": records, "timings": timings,
+    return {"summary": summary, "records": records, "timings": timings, "hf_check": hf,
             "files": {k: str(v) for k, v in files.items()}}
+
+
+def save_samples(samples: list[dict], path: str | Path) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump(samples, f, ensure_ascii=False)
+
+
+def load_samples(path: str | Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _hf_check(llm, samples: list[dict], token_ids: list[list[int]], records: list[dict], use_tqdm: bool) -> dict:
+    """Score HF transformers' greedy predictions on the same prompts; per task and length, both scores."""
+    from nanovllm.eval.ruler.hf_check import hf_predictions
+
+    predictions = hf_predictions(str(llm.config.model), token_ids, [s["max_new_tokens"] for s in samples],
+                                 use_tqdm=use_tqdm)
+    hf_records = []
+    for s, rec, pred in zip(samples, records, predictions):
+        score = sample_score(TASKS[s["task"]].metric, pred, s["references"])
+        rec.update(hf_prediction=pred, hf_score=score, same_prediction=pred.strip() == rec["prediction"].strip())
+        hf_records.append({**s, "prediction": pred, "score": score, "passed": passed(score)})
+    hf_summary = summarize(hf_records)
+    same = sum(r["same_prediction"] for r in records)
+    _log(f"HF transformers cross-check: {same}/{len(records)} predictions identical\n{markdown_table(hf_summary)}")
+    return {"summary": hf_summary, "identical_predictions": same, "samples": len(records)}
 
 
 def _log(msg: str) -> None:
@@ -115,6 +152,12 @@ def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chat: the model's chat template + answer prefix; base: bare task text + answer prefix")
     parser.add_argument("--data-seed", type=int, default=DEFAULT_SEED, help="seed of the sample generator (42)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--save-samples", default=None, metavar="FILE",
+                        help="generate the samples, write them to FILE (gzip JSON) and stop; no model is run")
+    parser.add_argument("--samples-file", default=None, metavar="FILE",
+                        help="run samples written by --save-samples instead of generating them")
+    parser.add_argument("--hf-check", action="store_true",
+                        help="also run the same prompts through HF transformers (greedy) and report both scores")
     add_engine_options(parser)
 
 
@@ -127,10 +170,23 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
     tasks = resolve_tasks(args.tasks)
     options = engine_options(args)
     options.setdefault("max_model_len", max(args.lengths))
-    data.ensure_ruler_data()  # install and verify the data before loading the model
+    if args.save_samples:
+        from transformers import AutoTokenizer
+
+        from nanovllm.models.fetch import default_model_path
+
+        data.ensure_ruler_data()
+        tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_path())
+        samples = generate_samples(tokenizer, args.lengths, tasks, args.samples, args.template, args.data_seed)
+        save_samples(samples, args.save_samples)
+        _log(f"{len(samples)} samples written to {args.save_samples}")
+        return {"samples": len(samples)}
+    if not args.samples_file:
+        data.ensure_ruler_data()  # install and verify the data before loading the model
     llm = LLM(args.model, **options)
     return run_ruler(llm, args.lengths, tasks, args.samples, args.output, args.template,
-                     use_tqdm=not args.no_progress, seed=args.data_seed)
+                     use_tqdm=not args.no_progress, seed=args.data_seed, samples_file=args.samples_file,
+                     hf_check=args.hf_check)
 
 
 def add_ruler_parser(subparsers) -> argparse.ArgumentParser:
