@@ -164,8 +164,10 @@ def _largest_fitting(fits, hint: int) -> int:
     return lo
 
 
-def _token_depth(tokenizer, prompt: str, rendered: dict, needle: Needle) -> tuple[list[int], float | None]:
-    """Token ids of the prompt and the needle's depth in haystack tokens (None without offsets)."""
+def _encode(tokenizer, rendered: dict, needle: Needle) -> tuple[list[int], float | None]:
+    """Token ids of the prompt (no special tokens, as Prompter.encode) and the needle's depth in
+    percent of the haystack's tokens (None for a tokenizer without offsets)."""
+    prompt = rendered["prompt"]
     try:
         enc = tokenizer(prompt, add_special_tokens=False, verbose=False, return_offsets_mapping=True)
         offsets = enc["offset_mapping"]
@@ -204,10 +206,15 @@ def build_needle_prompts(tokenizer, lengths, depths, haystack: str = "essay", sa
         for depth in depths:
             for index, needle in enumerate(needles):
                 counts: dict[int, int] = {}
+                best: dict = {}  # the largest fitting probe: units, rendered prompt, ids, token depth
 
-                def fits(units: int, depth=depth, needle=needle, counts=counts) -> bool:
+                def fits(units: int, depth=depth, needle=needle, counts=counts, best=best) -> bool:
                     if units not in counts:
-                        counts[units] = prompter.count(render_prompt(prompter, haystack, units, depth, needle)["prompt"])
+                        rendered = render_prompt(prompter, haystack, units, depth, needle)
+                        ids, depth_tokens = _encode(tokenizer, rendered, needle)
+                        counts[units] = len(ids)
+                        if len(ids) <= budget and units > best.get("units", -1):
+                            best.update(units=units, rendered=rendered, ids=ids, depth_tokens=depth_tokens)
                     return counts[units] <= budget
 
                 if hint is None:
@@ -219,9 +226,9 @@ def build_needle_prompts(tokenizer, lengths, depths, haystack: str = "essay", sa
                                      f"{counts[0]} tokens, over the {budget}-token budget "
                                      f"({length} - {MAX_NEW_TOKENS} new tokens)") from None
                 hint = units
-                rendered = render_prompt(prompter, haystack, units, depth, needle)
-                ids, depth_tokens = _token_depth(tokenizer, rendered["prompt"], rendered, needle)
-                assert len(ids) == counts[units] and len(ids) + MAX_NEW_TOKENS <= length
+                rendered, ids, depth_tokens = best["rendered"], best["ids"], best["depth_tokens"]
+                assert best["units"] == units
+                assert len(ids) + MAX_NEW_TOKENS <= length
                 total = rendered["haystack_chars"]
                 out.append({
                     "length": length, "depth": depth, "sample": index, "haystack": haystack,
@@ -340,7 +347,9 @@ def summarize(records: list[dict], lengths: list[int], depths: list[float]) -> d
     cells: dict[tuple[float, int], list[float]] = {(d, n): [] for d in depths for n in lengths}
     for r in records:
         cells[(float(r["depth"]), int(r["length"]))].append(float(r["score"]))
-    mean = lambda xs: round(sum(xs) / len(xs), 2) if xs else None  # noqa: E731
+    def mean(xs: list[float]) -> float | None:
+        return round(sum(xs) / len(xs), 2) if xs else None
+
     scores = [[mean(cells[(d, n)]) for n in lengths] for d in depths]
     length_means = [mean([s for d in depths for s in cells[(d, n)]]) for n in lengths]
     all_scores = [float(r["score"]) for r in records]
@@ -396,8 +405,9 @@ def save_heatmap(summary: dict, path: str | Path, title: str = "Needle in a hays
     for i in range(len(depths)):
         for j in range(len(lengths)):
             x = grid[i, j]
+            dark = not np.isnan(x) and (x <= 15 or x >= 85)  # the ends of RdYlGn are dark
             ax.text(j, i, "-" if np.isnan(x) else _score_label(round(float(x), 1)), ha="center", va="center",
-                    fontsize=8, color="black")
+                    fontsize=8, color="white" if dark else "black")
     ax.set_xticks(range(len(lengths)))
     ax.set_xticklabels([_length_label(n) for n in lengths])
     ax.set_yticks(range(len(depths)))

@@ -7,7 +7,7 @@ import torch
 from tqdm.auto import tqdm
 
 
-def hf_predictions(model_dir: str, token_ids: list[list[int]], max_new: list[int], batch_size: int = 16,
+def hf_predictions(model_dir: str, token_ids: list[list[int]], max_new: list[int], batch_size: int = 32,
                    device: str | None = None, use_tqdm: bool = True) -> list[str]:
     """Greedy HF generate over left-padded batches of prompts with equal max_new_tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
