@@ -7,8 +7,6 @@ import torch
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         self.data = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,10 +58,6 @@ class Sequence:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
-    def num_blocks(self) -> int:
-        return -(-len(self.token_ids) // self.block_size)
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

