@@ -108,13 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def run_command(command, args: argparse.Namespace) -> None:
+    """Run a subcommand; a user error (bad option, request or path) prints one line and exits 2."""
     try:
-        args.func(args)
+        command(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -499,12 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """`nanovllm needle ...` without the word `needle`: main(["--lengths", "1k", "2k"])."""
-    args = build_parser().parse_args(argv)
-    try:
-        cmd_needle(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from nanovllm.cli import run_command
+
+    run_command(cmd_needle, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -206,9 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """`nanovllm ruler ...` without the word `ruler`: main(["--lengths", "4096", "--samples", "5"])."""
-    args = build_parser().parse_args(argv)
-    try:
-        cmd_ruler(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from nanovllm.cli import run_command
+
+    run_command(cmd_ruler, build_parser().parse_args(argv))
