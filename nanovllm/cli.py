@@ -19,10 +19,11 @@ _HELP = {
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",
     "kvcache_block_size": "tokens per KV block (a multiple of 16)",
-    "num_kvcache_blocks": "KV pool size in blocks (default: from gpu_memory_utilization or cpu_kvcache_gb)",
+    "num_gpu_blocks": "device KV pool in blocks (default: from gpu_memory_utilization, or cpu_kv_cache_gb on a CPU)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
-    "cpu_kvcache_gb": "KV pool size in GiB when running on the CPU",
-    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
+    "cpu_kv_cache_gb": "GiB of host memory for KV: the pinned offload pool, or the whole pool on a CPU device",
+    "enable_cpu_offload": "keep KV blocks beyond the device pool in pinned host memory, streamed back per layer",
+    "enable_prefix_caching": "reuse KV of shared prompt prefixes (default: on, off with CPU offload)",
     "enforce_eager": "disable CUDA graphs",
     "tensor_parallel_size": "GPUs per model (only 1 for now)",
     "dtype": "auto, float32, float16 or bfloat16",
@@ -39,7 +40,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         if f.name in ("model", "hf_config"):
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
+        if str(f.type).startswith("bool"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
         else:
             kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)

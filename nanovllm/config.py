@@ -20,10 +20,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kvcache_block_size: int = 256
-    num_kvcache_blocks: int | None = None  # None: sized from memory (gpu_memory_utilization / cpu_kvcache_gb)
+    num_gpu_blocks: int | None = None  # the device's KV pool; None: sized from gpu_memory_utilization (CPU device: cpu_kv_cache_gb)
     gpu_memory_utilization: float = 0.9
-    cpu_kvcache_gb: float = 2.0  # KV pool size when running on the CPU without num_kvcache_blocks
-    enable_prefix_caching: bool = True
+    cpu_kv_cache_gb: float = 2.0  # KV in host RAM: the offload pool (pinned), or the whole pool on a CPU device
+    enable_cpu_offload: bool = False  # blocks beyond the device pool live in host memory and are streamed back
+    enable_prefix_caching: bool | None = None  # None: on, except with CPU offload (not combined yet)
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     dtype: str = "auto"
@@ -48,12 +49,12 @@ class EngineConfig:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.kvcache_block_size % 16:
             raise ValueError(f"kvcache_block_size must be a multiple of 16, got {self.kvcache_block_size}")
-        if self.num_kvcache_blocks is not None:
-            _positive_int("num_kvcache_blocks", self.num_kvcache_blocks)
+        if self.num_gpu_blocks is not None:
+            _positive_int("num_gpu_blocks", self.num_gpu_blocks)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not self.cpu_kvcache_gb > 0:
-            raise ValueError(f"cpu_kvcache_gb must be > 0, got {self.cpu_kvcache_gb}")
+        if not self.cpu_kv_cache_gb > 0:
+            raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (limit: 1)")
         if self.dtype not in _DTYPES:
@@ -64,6 +65,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", not self.enable_cpu_offload)
+        elif self.enable_prefix_caching and self.enable_cpu_offload:
+            raise ValueError("enable_prefix_caching=True cannot be combined with enable_cpu_offload=True yet")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         model_limit = self.model_max_position

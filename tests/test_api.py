@@ -12,13 +12,13 @@ from nanovllm.config import EngineConfig
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256, device="cpu")
+    return LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=32, max_model_len=256, device="cpu")
 
 
 def served_correctly(llm) -> bool:
     prompt = list(range(1, 40))
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
-    fresh = LLM(llm.config.model, kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+    fresh = LLM(llm.config.model, kvcache_block_size=16, num_gpu_blocks=32, device="cpu")
     ref = fresh.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     return out.token_ids == ref.token_ids and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
@@ -63,7 +63,7 @@ def test_malformed_config(tmp_path):
                                                       "num_hidden_layers": 1, "num_attention_heads": 1,
                                                       "vocab_size": 8, "max_position_embeddings": 8}))
     with pytest.raises(ValueError, match="unsupported architectures"):
-        LLM(str(tmp_path), num_kvcache_blocks=1)
+        LLM(str(tmp_path), num_gpu_blocks=1)
 
 
 @pytest.mark.parametrize("prompt, params, message", [
@@ -93,7 +93,7 @@ def test_bad_sampling_params(kwargs, message):
 
 
 def test_request_larger_than_pool_is_refused(tiny_llama):
-    small = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=4, device="cpu")  # 64 tokens of KV
+    small = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=4, device="cpu")  # 64 tokens of KV
     with pytest.raises(ValueError, match="needs 5 KV blocks .* pool has 4"):
         small.generate([list(range(60))], SamplingParams(max_tokens=10), use_tqdm=False)
     out = small.generate([list(range(60))], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
@@ -101,7 +101,7 @@ def test_request_larger_than_pool_is_refused(tiny_llama):
 
 
 def test_near_the_limit_stops_with_length(tiny_llama):
-    engine = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=256, device="cpu")
+    engine = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=16, max_model_len=256, device="cpu")
     out = engine.generate([list(range(250))], SamplingParams(max_tokens=128, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 256
 
@@ -144,4 +144,4 @@ def test_checkpoint_missing_a_projection_is_refused(tmp_path):
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks 1 tensors, e.g. \\['model.layers.1.self_attn.qkv_proj.weight'\\]"):
-        LLM(str(path), num_kvcache_blocks=4, device="cpu")
+        LLM(str(path), num_gpu_blocks=4, device="cpu")

@@ -17,14 +17,14 @@ def prompts(seed=0):
 
 
 def run(path, batch, **options):
-    llm = LLM(str(path), kvcache_block_size=16, device="cpu", **{"num_kvcache_blocks": 128, **options})
+    llm = LLM(str(path), kvcache_block_size=16, device="cpu", **{"num_gpu_blocks": 128, **options})
     return llm, [o.token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """Whole prefill, no prefix caching, one request at a time."""
-    llm = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=128, max_num_batched_tokens=4096,
+    llm = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=128, max_num_batched_tokens=4096,
               enable_prefix_caching=False, device="cpu")
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts()]
 
@@ -51,7 +51,7 @@ def test_prefix_cache_hit_equals_cold_start(tiny_llama, reference):
 
 def test_preempted_and_recomputed_equals_reference(tiny_llama, reference):
     # 12 blocks of 16 tokens cannot hold all six requests at once: some get preempted.
-    llm, got = run(tiny_llama, prompts(), num_kvcache_blocks=12, max_num_batched_tokens=64)
+    llm, got = run(tiny_llama, prompts(), num_gpu_blocks=12, max_num_batched_tokens=64)
     assert llm.scheduler.num_preemptions > 0
     assert got == reference
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks

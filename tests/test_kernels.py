@@ -334,7 +334,7 @@ def test_model_greedy_tokens_match_torch_backend(tiny_llama, device):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=48,
+        llm = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=48,
                   device=device, dtype="float32", attention_backend=backend)
         tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["triton"] == tokens["torch"]

@@ -33,7 +33,7 @@ def pair(request, tmp_path_factory):
     arch, overrides = CASES[case]
     path = make_tiny_model(tmp_path_factory.mktemp(case), arch, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=48, device=device,
+    llm = LLM(str(path), kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=48, device=device,
               dtype="float32")
     return hf, llm
 

@@ -46,7 +46,7 @@ def test_prompt_logprobs_match_hf_and_ignore_chunking(tiny_llama):
         ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     expected = [float(ref[i - 1, prompt[i]]) for i in range(1, len(prompt))]
     for budget in (4096, 16):  # whole prompt, and chunks of 16 mixed with nothing else
-        llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_kvcache_blocks=32,
+        llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_gpu_blocks=32,
                   max_num_batched_tokens=budget)
         llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # warms the prefix cache
         out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
@@ -59,7 +59,7 @@ def test_prompt_logprobs_match_hf_and_ignore_chunking(tiny_llama):
 def test_perplexity_matches_hf_on_tiny_model(tiny_llama):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(4)).tolist()
-    llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=64)
     ours = perplexity(llm, ids, max_length=128, stride=48, use_tqdm=False)["perplexity"]
     assert abs(ours / hf_perplexity(hf, ids, 128, 48) - 1) < 5e-3
 
@@ -73,7 +73,7 @@ def test_perplexity_matches_hf_on_smollm2(smollm2_path):
             "focused the beam across the water. Keepers tended the lamps through storms and calm seas. ") * 15
     ids = AutoTokenizer.from_pretrained(smollm2_path)(text).input_ids
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    llm = LLM(str(smollm2_path), device="cpu", kvcache_block_size=16, num_kvcache_blocks=256)
+    llm = LLM(str(smollm2_path), device="cpu", kvcache_block_size=16, num_gpu_blocks=256)
     ours = perplexity(llm, ids, max_length=256, stride=128, use_tqdm=False)["perplexity"]
     theirs = hf_perplexity(hf, ids, 256, 128)
     assert abs(ours / theirs - 1) < 5e-3, (ours, theirs)

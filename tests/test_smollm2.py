@@ -41,7 +41,7 @@ def setup(request, smollm2_path):
     device = request.param
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).to(device).eval()
-    llm = LLM(str(smollm2_path), device=device, dtype="float32", kvcache_block_size=16, num_kvcache_blocks=512,
+    llm = LLM(str(smollm2_path), device=device, dtype="float32", kvcache_block_size=16, num_gpu_blocks=512,
               max_num_batched_tokens=512)
     return device, tokenizer, hf, llm
 

@@ -44,6 +44,14 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_blocks)
 
+    @property
+    def num_host_blocks(self) -> int:
+        return 0
+
+    @property
+    def num_used_host_blocks(self) -> int:
+        return 0
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

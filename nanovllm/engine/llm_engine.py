@@ -19,6 +19,17 @@ from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    gpu_blocks_used: int  # KV blocks of the device pool in use
+    gpu_blocks_total: int
+    host_blocks_used: int  # KV blocks of the host (offload) pool in use; 0 of 0 without offload
+    host_blocks_total: int
+    num_preemptions: int
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -94,6 +105,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """A snapshot for monitoring (the server's /metrics)."""
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
+                           bm.num_blocks, bm.num_used_host_blocks, bm.num_host_blocks, self.scheduler.num_preemptions)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -58,7 +58,7 @@ class ModelRunner:
         self.model = build_model(config.hf_config, self.backend, self.dtype, self.device, model_dir)
         mc = self.model.config
         self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.num_blocks = config.num_kvcache_blocks or self._blocks_that_fit()
+        self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
         # One extra block past the pool: a scratch target for padded rows; the block manager never hands it out.
         self.kv_cache = PagedKVCache(mc.num_layers, self.num_blocks + 1, self.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
@@ -78,7 +78,7 @@ class ModelRunner:
 
     def _blocks_that_fit(self) -> int:
         if self.device.type == "cpu":
-            budget = self.config.cpu_kvcache_gb * 2**30
+            budget = self.config.cpu_kv_cache_gb * 2**30
         else:
             budget = self._cuda_kv_budget()
         blocks = int(budget // self.bytes_per_block)
