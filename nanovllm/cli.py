@@ -1,4 +1,4 @@
-"""Command line: `nanovllm fetch` and `nanovllm generate` (engine options mirror LLM(...) keywords)."""
+"""Command line: fetch, generate, chat, serve, bench, ruler, needle, ppl (engine options mirror LLM(...) keywords)."""
 from __future__ import annotations
 
 import argparse
@@ -81,22 +81,82 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"\n{len(outputs)} requests, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} output tokens/s")
 
 
+def cmd_chat(args: argparse.Namespace) -> None:
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.chat_repl import chat_loop
+
+    llm = LLM(args.model, **engine_options(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed_request)
+    chat_loop(llm, params, system=args.system)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from nanovllm import LLM
+    from nanovllm.server.app import serve
+
+    if args.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    llm = LLM(args.model, **engine_options(args))
+    serve(llm, args.host, args.port, args.served_model_name, args.max_pending_requests, args.log_level,
+          args.shutdown_timeout)
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate per reply (default: {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    parser.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                           description="Serve a model over the OpenAI API with continuous batching. Routes: "
+                                       "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+    serve.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send and /v1/models lists (default: the model directory's name)")
+    serve.add_argument("--max-pending-requests", type=int, default=256,
+                       help="most requests in flight (running + waiting); one more gets 503 (default: 256)")
+    serve.add_argument("--shutdown-timeout", type=float, default=None,
+                       help="seconds to let requests in flight finish after SIGTERM (default: no limit)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn log level (default: info)")
+    add_engine_options(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
+def add_chat_parser(sub) -> None:
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens as they are generated",
+                          description="Interactive multi-turn chat through the model's chat template. "
+                                      "Type /exit or press Ctrl-D to quit, /reset to clear the history.")
+    chat.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+    add_sampling_options(chat, 256)
+    add_engine_options(chat)
+    chat.set_defaults(func=cmd_chat)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="install a default model and print its directory")
-    fetch.add_argument("name", choices=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    fetch.add_argument("name", choices=["smollm2-135m", "qwen2.5-coder-0.5b"], help="which default model to install")
     fetch.set_defaults(func=cmd_fetch)
     gen = sub.add_parser("generate", help="generate for a few prompts and print outputs and timings")
     gen.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: four examples)")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text instead of through the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    gen.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    add_sampling_options(gen, 64)
     add_engine_options(gen)
     gen.set_defaults(func=cmd_generate)
+    add_chat_parser(sub)
+    add_serve_parser(sub)
+    from nanovllm.serving_bench import add_bench_parser
+
+    add_bench_parser(sub)
     from nanovllm.eval.ruler.run import add_ruler_parser
 
     add_ruler_parser(sub)

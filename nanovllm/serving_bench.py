@@ -1,0 +1,328 @@
+"""Serving benchmark: Poisson arrivals at several request rates against an OpenAI-compatible server.
+
+Per rate: time to first token (TTFT), time per output token after the first (TPOT = (E2E - TTFT) / (n - 1),
+as in vLLM's benchmark), end-to-end latency (E2E) at p50/p90/p99, and output throughput. Throughput is
+reported next to a peer from the same run: the offline `LLM.generate` on the same prompts (the ceiling
+that no arrival rate can beat) when the benchmark starts its own server, else the rate-inf run.
+Prompts are random token ids sent as `prompt: [ids]` with `ignore_eos`, so output lengths are exact and
+no tokenizer is needed (random-weight models have none).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def make_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0):
+    """Random prompts of input_len ids (from 10 to vocab_size - 10, clear of most special tokens)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(10, vocab_size - 10) for _ in range(input_len)] for _ in range(num_prompts)]
+    return prompts, [output_len] * num_prompts
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # noqa: E731
+    return {"mean": sum(ordered) / len(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    result, last = RequestResult(ok=False), None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk, now = json.loads(line[6:]), time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e, result.ok = time.perf_counter() - start, True
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = repr(e)
+    return result
+
+
+async def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0) -> dict:
+    """Send every prompt with exponential gaps of mean 1/rate (all at once for rate inf)."""
+    import httpx
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        tasks, start = [], time.perf_counter()
+        for prompt, n in zip(prompts, out_lens):
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, n)))
+            if rate != math.inf:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(rate, results, duration)
+
+
+def summarize(rate: float, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "request_rate": "inf" if rate == math.inf else rate,
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "output_tokens": tokens,
+        "output_throughput_tok_s": tokens / duration, "request_throughput_req_s": len(ok) / duration,
+        "ttft_s": percentiles([r.ttft for r in ok]),
+        "tpot_s": percentiles([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": percentiles([x for r in ok for x in r.itl]),
+        "e2e_s": percentiles([r.e2e for r in ok]),
+    }
+
+
+# ---- a server of our own, and the offline peer ------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str | None, engine_args: list[str], port: int, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "nanovllm.cli", "serve", *([model] if model else []), "--port", str(port),
+           "--max-pending-requests", "100000", "--log-level", "warning", *engine_args]
+    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 900.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def offline_throughput(model: str | None, engine_options: dict, prompts, out_lens) -> dict:
+    """The same prompts through LLM.generate in this process: the ceiling for any arrival rate."""
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(model, **engine_options)
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"output_tokens": tokens, "duration_s": seconds, "output_throughput_tok_s": tokens / seconds}
+
+
+def server_model(url: str) -> tuple[str, int]:
+    import httpx
+
+    card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    return card["id"], card["max_model_len"]
+
+
+def vocab_size(model: str | None) -> int:
+    from nanovllm.config import load_hf_config
+
+    if model is None:
+        from nanovllm.models.fetch import default_model_path
+
+        model = str(default_model_path())
+    return load_hf_config(model)["vocab_size"]
+
+
+# ---- report -------------------------------------------------------------------------------
+def print_report(report: dict) -> None:
+    peer = report["peer"]
+    print(f"\npeer: {peer['name']} = {peer['output_throughput_tok_s']:.1f} output tok/s")
+    print(f"{'rate':>6} {'done':>5} {'tok/s':>9} {'of peer':>8} | {'TTFT p50/p90/p99 ms':>22} | "
+          f"{'TPOT p50/p90/p99 ms':>22} | {'E2E p50/p90/p99 s':>20}")
+    for r in report["rates"]:
+        ms = lambda d: "/".join(f"{d.get(k, float('nan')) * 1e3:.0f}" for k in ("p50", "p90", "p99"))  # noqa: E731
+        s = "/".join(f"{r['e2e_s'].get(k, float('nan')):.2f}" for k in ("p50", "p90", "p99"))
+        print(f"{r['request_rate']!s:>6} {r['completed']:>5} {r['output_throughput_tok_s']:>9.1f} "
+              f"{r['fraction_of_peer']:>8.2f} | {ms(r['ttft_s']):>22} | {ms(r['tpot_s']):>22} | {s:>20}")
+        if r["failed"]:
+            print(f"       {r['failed']} failed: {r['errors']}")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r for r in report["rates"] if r["request_rate"] != "inf"]
+    if not rates:
+        return
+    x = [r["request_rate"] for r in rates]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for ax, key, title, scale in ((axes[0], "ttft_s", "TTFT (ms)", 1e3), (axes[1], "tpot_s", "TPOT (ms)", 1e3),
+                                  (axes[2], "e2e_s", "E2E latency (s)", 1)):
+        for q in ("p50", "p90", "p99"):
+            ax.plot(x, [r[key].get(q, float("nan")) * scale for r in rates], marker="o", label=q)
+        ax.set(title=title, xlabel="request rate (req/s)")
+        ax.legend()
+    axes[3].plot(x, [r["output_throughput_tok_s"] for r in rates], marker="o", label="served")
+    axes[3].axhline(report["peer"]["output_throughput_tok_s"], color="gray", ls="--", label=report["peer"]["name"])
+    axes[3].set(title="output throughput (tok/s)", xlabel="request rate (req/s)")
+    axes[3].legend()
+    fig.suptitle(report["title"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--request-rates must be positive numbers or inf, comma-separated; got {text!r}")
+    return rates
+
+
+def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) -> dict:
+    rates = parse_rates(args.request_rates)
+    if math.inf not in rates:
+        rates.append(math.inf)  # the peer when no offline run is made, and the served ceiling otherwise
+    out_dir = Path(args.output_dir or os.environ.get("OUT") or "bench/results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    proc = None
+    url = args.url
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(args.model, engine_args, port, out_dir / "serving_server.log")
+    try:
+        wait_healthy(url, proc)
+        model, max_model_len = server_model(url)
+        vocab = args.vocab_size or vocab_size(args.model if proc is not None else model)
+        prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.workload_seed)
+        asyncio.run(run_rate(url, model, prompts[:2], [4, 4], math.inf))  # warm-up
+        results = []
+        for rate in rates:
+            results.append(asyncio.run(run_rate(url, model, prompts, out_lens, rate, args.workload_seed)))
+            print(f"rate {results[-1]['request_rate']}: {results[-1]['output_throughput_tok_s']:.1f} output tok/s, "
+                  f"{results[-1]['completed']}/{len(prompts)} completed", flush=True)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    inf_run = next(r for r in results if r["request_rate"] == "inf")
+    if proc is not None and not args.no_offline:
+        peer = {"name": "offline LLM.generate", **offline_throughput(args.model, engine_options, prompts, out_lens)}
+    else:
+        peer = {"name": "rate-inf run", **{k: inf_run[k] for k in ("output_tokens", "duration_s", "output_throughput_tok_s")}}
+    for r in results:
+        r["fraction_of_peer"] = r["output_throughput_tok_s"] / peer["output_throughput_tok_s"]
+    report = {"title": f"{model}: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out",
+              "model": model, "url": args.url, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "engine_options": engine_options, "peer": peer, "rates": results}
+    print_report(report)
+    (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=2))
+    plot(report, out_dir / f"{args.name}.png")
+    print(f"\nresults written to {out_dir / (args.name + '.json')} and {out_dir / (args.name + '.png')}")
+    return report
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None,
+                        help="an already running server, e.g. http://127.0.0.1:8000 (default: start one with the "
+                             "model and engine options given here)")
+    parser.add_argument("--model", default=None, help="HF-format model directory for the server this benchmark "
+                                                      "starts (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--request-rates", default="1,4,16,inf",
+                        help="comma-separated Poisson arrival rates in requests/s; inf sends all at once; "
+                             "an inf run is always added (default: 1,4,16,inf)")
+    parser.add_argument("--num-prompts", type=int, default=200, help="requests per rate (default: 200)")
+    parser.add_argument("--input-len", type=int, default=256, help="prompt length in tokens (default: 256)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below this "
+                                                                     "(default: the model's vocab_size)")
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of prompts and arrival times (default: 0)")
+    parser.add_argument("--no-offline", action="store_true",
+                        help="skip the offline LLM.generate peer; throughput is then relative to the rate-inf run")
+    parser.add_argument("--output-dir", default=None, help="where the JSON and PNG go (default: $OUT or bench/results)")
+    parser.add_argument("--name", default="serving", help="file name stem of the results (default: serving)")
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> None:
+    from nanovllm.cli import engine_options
+
+    options = engine_options(args)
+    run(args, options, engine_args_from(options))
+
+
+def engine_args_from(options: dict) -> list[str]:
+    """Engine options back to `nanovllm serve` flags."""
+    args = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def add_bench_parser(sub) -> None:
+    from nanovllm.cli import add_engine_options
+
+    bench = sub.add_parser("bench", help="benchmarks (serving: latency and throughput under Poisson load)",
+                           description="Benchmarks. `nanovllm bench serving` measures a server under Poisson load.")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    serving = kinds.add_parser("serving", help="TTFT, TPOT, E2E percentiles and throughput per request rate",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(serving)
+    add_engine_options(serving)
+    serving.set_defaults(func=cmd_bench_serving)
