@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanovllm.engine.block_manager import NO_HASH, BlockManager
+from nanovllm.engine.block_manager import HOST_BASE, NO_HASH, BlockManager, is_host_block
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
@@ -29,19 +29,21 @@ def admissible(block_manager: BlockManager, max_model_len: int, n_prompt: int, m
     if n_prompt == 0 or n_prompt + 1 > max_model_len:
         return False
     kv_tokens = min(n_prompt + max_tokens, max_model_len) - 1
-    return block_manager.blocks_for_tokens(kv_tokens) <= block_manager.num_blocks
+    return block_manager.blocks_for_tokens(kv_tokens) <= block_manager.num_blocks + block_manager.num_host_blocks
 
 
 class Sim:
     def __init__(self, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 enable_prefix_caching: bool = True, seed: int = 0, block_size: int = BS):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+                 enable_prefix_caching: bool = True, seed: int = 0, block_size: int = BS, num_host_blocks: int = 0):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, num_host_blocks)
         config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.sched = Scheduler(config, self.bm)
         self.bs = block_size
         self.max_model_len = max_model_len
         self.rng = random.Random(seed)
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.host_kv: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
+        self.num_offloaded = 0
         self.ident: dict[int, list[int]] = {}  # seq_id -> identity of token_ids[:p+1] for each p
         self.live: list[Sequence] = []
         self.finished: list[Sequence] = []
@@ -80,7 +82,8 @@ class Sim:
         """The KV of positions [0, upto) that seq's block table points at is seq's own prefix."""
         ids = self.ident[seq.seq_id]
         for p in range(upto):
-            got = self.kv[seq.block_table[p // self.bs]][p % self.bs]
+            block = seq.block_table[p // self.bs]
+            got = (self.host_kv[block - HOST_BASE] if is_host_block(block) else self.kv[block])[p % self.bs]
             assert got == ids[p], f"seq {seq.seq_id}: wrong KV at position {p}"
 
     # ---- the loop --------------------------------------------------------------------------
@@ -115,12 +118,16 @@ class Sim:
                 self.num_cache_hit_tokens += seq.num_cached_tokens
                 self.verify_kv(seq, seq.num_computed_tokens)
         self.check(after_schedule=True)
+        for device_block, host_block in bm.take_pending_offloads():  # the runner copies these out first
+            self.host_kv[host_block] = list(self.kv[device_block])
+            self.num_offloaded += 1
 
         samples = [item.samples for item in scheduled]  # read before mark_computed, as the runner does
         for item in scheduled:  # the "model" writes KV for the new tokens
             seq, ids_ = item.seq, self.ident[item.seq.seq_id]
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens):
                 block = seq.block_table[p // self.bs]
+                assert not is_host_block(block), "new KV must go to a device block"
                 assert bm.ref_count[block] == 1, f"write into shared block {block}"
                 assert bm.block_hash[block] == NO_HASH, f"write into cached (hashed) block {block}"
                 self.kv[block][p % self.bs] = ids_[p]
@@ -173,6 +180,7 @@ class Sim:
     def check_done(self) -> None:
         assert not self.live and not self.sched.running and not self.sched.waiting
         assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.num_used_host_blocks == 0
         self.bm.check_invariants([])
         for seq in self.admitted:
             assert seq.is_finished
@@ -202,7 +210,7 @@ def request(draw, sim: Sim):
                 else st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=300))
     prompt = (base + tail)[:300]
     max_tokens = draw(st.integers(1, 50))
-    cap = sim.bm.num_blocks * sim.bs  # KV tokens that fit the whole pool
+    cap = (sim.bm.num_blocks + sim.bm.num_host_blocks) * sim.bs  # KV tokens that fit the whole pool
     prompt = prompt[: min(len(prompt), sim.max_model_len - 1, cap)]
     if min(len(prompt) + max_tokens, sim.max_model_len) - 1 > cap:
         max_tokens = cap + 1 - len(prompt)
@@ -262,6 +270,42 @@ def test_random_operations_tight_pool_with_prefix_caching(num_blocks, max_num_ba
 
 
 # ---- deterministic tests -----------------------------------------------------------------------
+@settings(max_examples=200, **SETTINGS)
+@given(
+    num_blocks=st.integers(1, 12),
+    num_host_blocks=st.integers(0, 30),
+    max_num_batched_tokens=st.integers(1, 64),
+    max_num_seqs=st.integers(1, 8),
+    max_model_len=st.integers(2, 320),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_random_operations_with_a_host_pool(num_blocks, num_host_blocks, max_num_batched_tokens, max_num_seqs,
+                                            max_model_len, seed, data):
+    """CPU offload: tiny device pools force blocks to the host and back; host exhaustion preempts."""
+    sim = Sim(num_blocks, max_num_batched_tokens, max_num_seqs, max_model_len, False, seed,
+              num_host_blocks=num_host_blocks)
+    run_random_operations(sim, data)
+
+
+def test_offload_moves_blocks_to_the_host_instead_of_preempting():
+    sim = Sim(num_blocks=4, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=400,
+              enable_prefix_caching=False, num_host_blocks=40)
+    for n in (150, 90, 60):
+        sim.add([1] * n, max_tokens=20)
+    sim.drain()
+    assert sim.num_offloaded > 10 and sim.sched.num_preemptions == 0
+
+
+def test_full_host_pool_preempts_and_resumes():
+    sim = Sim(num_blocks=3, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=400,
+              enable_prefix_caching=False, num_host_blocks=8)
+    for n in (100, 100, 100):
+        sim.add([2] * n, max_tokens=30)
+    sim.drain()
+    assert sim.num_offloaded > 0 and sim.sched.num_preemptions > 0
+
+
 def test_preemption_happens_and_preempted_sequences_finish():
     sim = Sim(num_blocks=8, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=1024)
     seqs = [sim.add([i % VOCAB] + [(i + j) % VOCAB for j in range(39)], max_tokens=60) for i in range(4)]

@@ -1,11 +1,18 @@
-"""Paged KV block allocator with reference counts and hash-chained prefix caching.
+"""Paged KV block allocator with reference counts, hash-chained prefix caching and a host pool.
 
 A full block's hash covers its tokens and the hash of the block before it, so equal hashes mean
 equal prefixes. Freed blocks keep their hash and stay findable until the allocator reuses them
 (least recently freed first), which is what makes a later request with the same prefix a cache hit.
+
+With CPU offload, a second pool of blocks lives in host memory. Block-table entries >= HOST_BASE name
+host blocks (HOST_BASE + host id). New KV is always written to device blocks; when the device pool
+runs short, full, already computed device blocks move to the host (`offload_blocks`): their device
+ids are free at once, and the (device, host) pairs wait in `pending_offloads` for the model runner,
+which copies them before anything is written into the reused device blocks.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 import numpy as np
@@ -14,6 +21,11 @@ import xxhash
 from nanovllm.engine.sequence import Sequence
 
 NO_HASH = -1
+HOST_BASE = 1 << 40
+
+
+def is_host_block(block_id: int) -> bool:
+    return block_id >= HOST_BASE
 
 
 def chain_hash(token_ids: list[int], prev_hash: int) -> int:
@@ -25,7 +37,10 @@ def chain_hash(token_ids: list[int], prev_hash: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
+        if num_host_blocks and enable_prefix_caching:
+            raise ValueError("prefix caching is not combined with a host (offload) pool yet")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -35,6 +50,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its registered blocks
+        self.num_host_blocks = num_host_blocks
+        self.free_host_blocks: list[int] = list(range(num_host_blocks))  # a heap: lowest ids first, for long runs
+        self.pending_offloads: list[tuple[int, int]] = []  # (device block, host block) to copy before the next step
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,12 +63,8 @@ class BlockManager:
         return self.num_blocks - len(self.free_blocks)
 
     @property
-    def num_host_blocks(self) -> int:
-        return 0
-
-    @property
     def num_used_host_blocks(self) -> int:
-        return 0
+        return self.num_host_blocks - len(self.free_host_blocks)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -116,12 +130,42 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; tail blocks are freed first so shared prefixes live longest."""
         for block_id in reversed(seq.block_table):
+            if is_host_block(block_id):
+                heapq.heappush(self.free_host_blocks, block_id - HOST_BASE)
+                continue
             self.ref_count[block_id] -= 1
             assert self.ref_count[block_id] >= 0, f"double free of block {block_id}"
             if self.ref_count[block_id] == 0:
                 self.free_blocks[block_id] = None
         seq.block_table = []
         self.seq_block_hashes.pop(seq.seq_id, None)
+
+    # ---- offload to the host pool ---------------------------------------------------------
+    def offload_blocks(self, num_blocks: int, seqs: list[Sequence]) -> int:
+        """Move up to num_blocks full, computed device blocks of seqs (in that order of preference,
+        the latest blocks of each first) to the host pool, as far as it has room. Returns how many moved."""
+        num_blocks = min(num_blocks, len(self.free_host_blocks))
+        victims: list[tuple[Sequence, int]] = []
+        for seq in seqs:
+            full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+            for i in range(full - 1, -1, -1):
+                if len(victims) == num_blocks:
+                    break
+                if not is_host_block(seq.block_table[i]):
+                    victims.append((seq, i))
+        victims.sort(key=lambda v: (v[0].seq_id, v[1]))  # ascending host ids along each sequence: long copy runs
+        for seq, i in victims:
+            device_block = seq.block_table[i]
+            host_block = heapq.heappop(self.free_host_blocks)
+            self.pending_offloads.append((device_block, host_block))
+            seq.block_table[i] = HOST_BASE + host_block
+            self.ref_count[device_block] = 0
+            self.free_blocks[device_block] = None
+        return len(victims)
+
+    def take_pending_offloads(self) -> list[tuple[int, int]]:
+        pending, self.pending_offloads = self.pending_offloads, []
+        return pending
 
     # ---- prefix cache registration -------------------------------------------------------
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -143,10 +187,17 @@ class BlockManager:
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
         """Reference counts equal the block-table references; free list equals unreferenced blocks."""
         counts = [0] * self.num_blocks
+        host_used: set[int] = set()
         for seq in live_seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id} repeats a block"
             for b in seq.block_table:
-                counts[b] += 1
+                if is_host_block(b):
+                    assert b - HOST_BASE not in host_used, f"host block {b - HOST_BASE} is shared"
+                    host_used.add(b - HOST_BASE)
+                else:
+                    counts[b] += 1
+        assert host_used.isdisjoint(self.free_host_blocks), "a host block in use is also free"
+        assert len(host_used) + len(self.free_host_blocks) == self.num_host_blocks, "host blocks leaked"
         assert counts == self.ref_count, "reference counts differ from block tables"
         free = {b for b in range(self.num_blocks) if counts[b] == 0}
         assert free == set(self.free_blocks), "free list differs from unreferenced blocks"

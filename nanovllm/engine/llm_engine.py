@@ -48,9 +48,8 @@ class LLMEngine:
         model_dir = Path(model)
         self.tokenizer = _load_tokenizer(model_dir)
         self.runner = ModelRunner(self.config, None if self.config.load_format == "dummy" else model_dir)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, self.config.kvcache_block_size, self.config.enable_prefix_caching
-        )
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
+                                          self.config.enable_prefix_caching, self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
         self.requests: dict[str, _Request] = {}
@@ -77,12 +76,13 @@ class LLMEngine:
         if n + 1 > limit:
             raise ValueError(f"prompt has {n} tokens; with one generated token that exceeds max_model_len={limit}")
         kv_tokens = min(n + params.max_tokens, limit) - 1
-        blocks = self.block_manager.blocks_for_tokens(kv_tokens)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {blocks} KV blocks ({kv_tokens} tokens of KV at block size "
-                f"{self.block_manager.block_size}) but the whole pool has {self.block_manager.num_blocks}"
-            )
+        bm = self.block_manager
+        blocks = bm.blocks_for_tokens(kv_tokens)
+        if blocks > bm.num_blocks + bm.num_host_blocks:
+            pools = f"{bm.num_blocks} device + {bm.num_host_blocks} host blocks" if bm.num_host_blocks else \
+                f"{bm.num_blocks} blocks"
+            raise ValueError(f"request needs {blocks} KV blocks ({kv_tokens} tokens of KV at block size "
+                             f"{bm.block_size}) but the whole pool has {pools}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -120,7 +120,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are pending")
             return []
-        sampled = self.runner.run(scheduled)
+        sampled = self.runner.run(scheduled, self.block_manager.take_pending_offloads())
         self.scheduler.mark_computed(scheduled)
         by_seq = {r.seq.seq_id: r for r in self.requests.values()}
         outputs = []

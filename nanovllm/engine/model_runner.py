@@ -7,7 +7,9 @@ import torch
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.block_manager import HOST_BASE, is_host_block
 from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine import offload
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
@@ -62,6 +64,8 @@ class ModelRunner:
         # One extra block past the pool: a scratch target for padded rows; the block manager never hands it out.
         self.kv_cache = PagedKVCache(mc.num_layers, self.num_blocks + 1, self.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
+        self.offloader = self._make_offloader() if config.enable_cpu_offload else None
+        self.num_host_blocks = self.offloader.host.shape[2] if self.offloader else 0
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs = self._capture_graphs()
 
@@ -70,6 +74,18 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.model, self.backend, self.kv_cache, min(self.config.max_num_seqs, 512),
                             self.config.num_blocks_per_seq_limit, self.block_size, self.num_blocks, self.device)
+
+    def _make_offloader(self) -> offload.KVOffloader:
+        host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
+        if host_blocks < 1:
+            raise ValueError(f"cpu_kv_cache_gb={self.config.cpu_kv_cache_gb} holds no KV block "
+                             f"({self.bytes_per_block} bytes each)")
+        return offload.KVOffloader(self.kv_cache, host_blocks, self._ring_blocks())
+
+    def _ring_blocks(self) -> int:
+        """Blocks per ring slot: RING_SLOT_BYTES of one layer's KV, and never more than one sequence can hold."""
+        layer_block_bytes = self.bytes_per_block // self.kv_shape[0]
+        return max(1, min(offload.RING_SLOT_BYTES // layer_block_bytes, self.config.num_blocks_per_seq_limit))
 
     @property
     def bytes_per_block(self) -> int:
@@ -81,6 +97,8 @@ class ModelRunner:
             budget = self.config.cpu_kv_cache_gb * 2**30
         else:
             budget = self._cuda_kv_budget()
+            if self.config.enable_cpu_offload:  # the ring of staging slots comes out of the same budget
+                budget -= offload.RING_SLOTS * self._ring_blocks() * self.bytes_per_block // self.kv_shape[0]
         blocks = int(budget // self.bytes_per_block)
         if blocks < 1:
             raise ValueError(
@@ -111,7 +129,8 @@ class ModelRunner:
         hidden = self.model(ids, torch.arange(n, device=self.device), self.kv_cache, meta)
         self.model.compute_logits(hidden[-1:])
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -127,18 +146,37 @@ class ModelRunner:
             tables.append(seq.block_table)
             if item.samples:
                 sample_rows.append(len(ids) - 1)
-        meta = self.backend.build_metadata(query_lens, seq_lens, tables, slots, bs, self.device)
+        if self.offloader is None:
+            meta = self.backend.build_metadata(query_lens, seq_lens, tables, slots, bs, self.device)
+        else:
+            meta = self._offload_metadata(query_lens, seq_lens, tables, slots, list(offloads))
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), meta, sample_rows
 
+    def _offload_metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                          slots: list[int], offloads: list[tuple[int, int]]) -> AttentionMetadata:
+        """Device blocks in compacted tables for the causal part; host blocks in the step's OffloadStep.
+        Host blocks are full and precede every new token, so dropping them keeps the causal mask right."""
+        device_tables = [[b for b in t if not is_host_block(b)] for t in tables]
+        host_tables = [[b - HOST_BASE for b in t if is_host_block(b)] for t in tables]
+        compact_lens = [n - len(h) * self.block_size for n, h in zip(seq_lens, host_tables)]
+        meta = self.backend.build_metadata(query_lens, compact_lens, device_tables, slots, self.block_size, self.device)
+        if offloads or any(host_tables):
+            meta.offload = self.offloader.plan_step(self.backend, query_lens, host_tables, offloads)
+        return meta
+
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, dict[int, float] | None]]:
-        """One forward pass; returns {seq_id: (sampled token, logprobs)} for sequences that sample."""
+    def run(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]] = ()
+            ) -> dict[int, tuple[int, dict[int, float] | None]]:
+        """One forward pass; returns {seq_id: (sampled token, logprobs)} for sequences that sample.
+        offloads: (device block, host block) pairs the block manager moved out since the last step."""
         sampling = [item.seq for item in scheduled if item.samples]
-        if self.graphs is not None and self._is_decode(scheduled) and self.graphs.fits(len(scheduled)):
+        if self._graph_fits(scheduled, offloads):
             logits = self._decode_with_graph(sampling)
         else:
-            ids, positions, meta, rows = self._prepare(scheduled)
+            ids, positions, meta, rows = self._prepare(scheduled, offloads)
+            if meta.offload is not None:
+                meta.offload.begin()
             hidden = self.model(ids, positions, self.kv_cache, meta)
             self._prompt_logprobs(hidden, scheduled)
             if not sampling:
@@ -162,6 +200,12 @@ class ModelRunner:
                     seq.prompt_logprobs.extend(
                         logprob_entries(logits, seq.token_ids[lo + 1 : hi + 1], seq.params.prompt_logprobs))
             row += n
+
+    def _graph_fits(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]]) -> bool:
+        """A captured decode graph serves the step: all decodes, batch within the buckets, no KV on the host."""
+        if self.graphs is None or not self._is_decode(scheduled) or not self.graphs.fits(len(scheduled)):
+            return False
+        return not offloads and not any(is_host_block(b) for item in scheduled for b in item.seq.block_table)
 
     @staticmethod
     def _is_decode(scheduled: list[ScheduledSeq]) -> bool:

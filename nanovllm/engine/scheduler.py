@@ -49,18 +49,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
+            n = self._reserve(seq, min(seq.num_uncomputed_tokens, budget))
+            if n == 0:  # no room even after offloading: free the newest sequence, then retry
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.grow(seq, seq.num_computed_tokens + n)
-                scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
-                i += 1
+                continue
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
         if preempted:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -70,7 +67,9 @@ class Scheduler:
             prefix = [] if wants_prompt_logprobs else self.block_manager.match_prefix(seq.token_ids)
             cached = len(prefix) * self.block_manager.block_size
             n = min(len(seq) - cached, budget)
-            if not self.block_manager.can_admit(prefix, cached + n):
+            if self.block_manager.num_host_blocks:
+                n = self._make_room(None, n)
+            if n == 0 or not self.block_manager.can_admit(prefix, cached + n):
                 break
             self.block_manager.admit(seq, prefix, cached + n)
             self.waiting.popleft()
@@ -79,6 +78,30 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled
+
+    def _reserve(self, seq: Sequence, n: int) -> int:
+        """Give seq KV blocks for its next n tokens, or for as many as fit after offloading; returns
+        how many tokens it got blocks for (0: none)."""
+        bm = self.block_manager
+        if not bm.can_grow(seq, seq.num_computed_tokens + n) and bm.num_host_blocks:
+            n = self._make_room(seq, n)
+        if n == 0 or not bm.can_grow(seq, seq.num_computed_tokens + n):
+            return 0
+        bm.grow(seq, seq.num_computed_tokens + n)
+        return n
+
+    def _make_room(self, seq: Sequence | None, n: int) -> int:
+        """Offload computed blocks (seq's own latest first, then the newest running sequences') until
+        the device pool can take n more tokens of seq (None: a new sequence); returns the tokens that
+        fit afterwards, at most n."""
+        bm = self.block_manager
+        computed, held = (seq.num_computed_tokens, len(seq.block_table)) if seq else (0, 0)
+        missing = bm.blocks_for_tokens(computed + n) - held - bm.num_free_blocks
+        if missing > 0:
+            newest_first = [s for s in reversed(self.running) if s is not seq]
+            bm.offload_blocks(missing, ([seq] if seq else []) + newest_first)
+        room = (held + bm.num_free_blocks) * bm.block_size - computed
+        return max(0, min(n, room))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -24,18 +24,21 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of every new token over its sequence's cached and new keys, computed in float32."""
+    """Attention of every new token over its sequence's cached and new keys, computed in float32.
+    causal=False: every new token sees all seq_lens[i] keys (history preceding the queries); rows of
+    sequences with seq_len 0 then get out 0 and lse -inf."""
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     starts = cu_query_lens.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
-        if end == start:
+        if end == start or seq_len == 0:
             continue
         keys = _gather(k_cache, block_tables[i], seq_len)
         values = _gather(v_cache, block_tables[i], seq_len)
-        out_i, lse_i = _sequence_attention(q[start:end].float(), keys, values, scale)
+        out_i, lse_i = _sequence_attention(q[start:end].float(), keys, values, scale, causal)
         out[start:end] = out_i.to(q.dtype)
         lse[start:end] = lse_i
     return out, lse
@@ -49,7 +52,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tor
 
 
 def _sequence_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, Hq, D] are the last n of the seq_len = len(keys) positions; returns ([n, Hq, D], [n, Hq])."""
     n, num_heads = q.shape[:2]
@@ -60,7 +63,8 @@ def _sequence_attention(
     scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
     q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
     visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if causal:
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
     probs = torch.exp(scores - lse[..., None])
     out = torch.einsum("hqk,khd->qhd", probs, values)

@@ -209,7 +209,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     head = tl.program_id(0)
     work = tl.program_id(1)
@@ -218,7 +218,10 @@ def _prefill_kernel(
     q_start = tl.load(cu_ptr + seq)
     q_len = tl.load(cu_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_pos = seq_len - q_len + q_tile * BLOCK_M  # position of the tile's first query row
+    if CAUSAL:
+        first_pos = seq_len - q_len + q_tile * BLOCK_M  # position of the tile's first query row
+    else:  # the keys are history preceding every query: all visible
+        first_pos = seq_len - 1
 
     offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
@@ -226,7 +229,10 @@ def _prefill_kernel(
     row_mask = offs_m < q_len
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None], other=0.0)
-    q_pos = seq_len - q_len + offs_m
+    if CAUSAL:
+        q_pos = seq_len - q_len + offs_m
+    else:
+        q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -421,8 +427,10 @@ def paged_prefill_attention(
     schedule: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen causal attention of each sequence's new tokens over its cached prefix and themselves.
+    With causal=False every new token sees all seq_lens[i] keys (KV history that precedes the queries).
 
     schedule must come from `build_prefill_schedule` with config.block_m; without it, it is built from
     cu_query_lens and seq_lens (a device-to-host copy); only the rows it covers are written. out:
@@ -444,7 +452,8 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out, lse
 

@@ -8,10 +8,13 @@ the reference that faster kernels are tested against.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from nanovllm.kernels.reference import paged_attention_reference
 
 
 @dataclass
@@ -26,6 +29,8 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [num_seqs]
     block_tables_tensor: torch.Tensor  # [num_seqs, max_blocks], padded with -1
     block_size: int
+    offload: Any = None  # an OffloadStep when part of the KV lives in host memory (engine/offload.py)
+    plans: dict = field(default_factory=dict)  # backend-owned per-step state (e.g. kernel work schedules)
 
     @property
     def num_seqs(self) -> int:
@@ -75,6 +80,23 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] new tokens; caches: [num_blocks, block_size, Hk, D].
         Writes k, v into the cache at meta.slot_mapping and returns [T, Hq, D]."""
+
+    @abstractmethod
+    def forward_with_lse(
+        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like forward, also returning the log-sum-exp [T, Hq] (float32, natural log) of each row's scores,
+        so that attention over disjoint key sets can be merged. out: (out, lse) buffers to write into
+        (out may be float32 to keep partial results unrounded)."""
+
+    @abstractmethod
+    def history_attention(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Non-causal attention of every query row over seq_lens[i] keys of its sequence in the given
+        caches (KV history that precedes all of them), written into out = (out, lse). Rows of sequences
+        with seq_len 0 are left as they are."""
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -128,6 +150,23 @@ def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Ten
 
 @register_attention_backend("torch")
 class TorchPagedAttention(AttentionBackend):
+    def forward_with_lse(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        result = paged_attention_reference(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
+                                           meta.block_tables_tensor, scale)
+        if out is None:
+            return result
+        out[0].copy_(result[0])
+        out[1].copy_(result[1])
+        return out
+
+    def history_attention(self, q, k_cache, v_cache, meta, scale, out):
+        part_out, part_lse = paged_attention_reference(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
+                                                       meta.block_tables_tensor, scale, causal=False)
+        rows = _rows_with_keys(meta, q.device)
+        out[0][rows] = part_out[rows].to(out[0].dtype)
+        out[1][rows] = part_lse[rows]
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -147,3 +186,10 @@ class TorchPagedAttention(AttentionBackend):
             out[start : start + query_len] = oi[0].transpose(0, 1)
             start += query_len
         return out
+
+
+def _rows_with_keys(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """Indices of the query rows whose sequence has at least one key."""
+    rows = [r for n, s, start in zip(meta.query_lens, meta.seq_lens, meta.cu_query_lens.tolist()) if s > 0
+            for r in range(start, start + n)]
+    return torch.tensor(rows, dtype=torch.int64, device=device)

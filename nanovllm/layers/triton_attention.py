@@ -40,7 +40,6 @@ class TritonPagedAttention(AttentionBackend):
         except ImportError as e:
             raise RuntimeError("the 'triton' attention backend needs the triton package") from e
         self.ops = triton_paged_attention
-        self._last_plan: tuple[AttentionMetadata, tuple, PrefillPlan] | None = None
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         return self.forward_with_lse(q, k, v, k_cache, v_cache, meta, scale)[0]
@@ -54,27 +53,47 @@ class TritonPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v into the cache, then returns (out [T, Hq, D], lse [T, Hq] float32 natural log)."""
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         tensors = (q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor, meta.block_tables_tensor, scale)
         if is_decode_step(q, meta):
-            return self.ops.paged_decode_attention(*tensors)
+            return self.ops.paged_decode_attention(*tensors, out=out)
         plan = self._plan(q, k_cache, meta)
-        out = self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config)
+        out = self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config, out=out)
         if plan.decode_ids is not None:
             self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode, out=out)
         return out
 
-    def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> PrefillPlan:
-        """The step's plan, reused by every layer (same metadata object, same shapes). A metadata
-        object must not be mutated between steps (the model runner builds a new one per step)."""
-        key = (q.dtype, q.shape[-1], k_cache.shape[1], q.device)
-        if self._last_plan is not None and self._last_plan[0] is meta and self._last_plan[1] == key:
-            return self._last_plan[2]
-        plan = self._build_plan(q.dtype, q.shape[-1], k_cache.shape[1], meta, q.device)
-        self._last_plan = (meta, key, plan)
-        return plan
+    def history_attention(self, q, k_cache, v_cache, meta, scale, out):
+        tensors = (q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor, meta.block_tables_tensor, scale)
+        plan = self._plan(q, k_cache, meta, history=True)
+        if plan.schedule.shape[0]:
+            self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config, out=out, causal=False)
+        if plan.decode_ids is not None:
+            self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode, out=out)
+
+    def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, history: bool = False) -> PrefillPlan:
+        """The step's plan, kept in the metadata and reused by every layer (same shapes)."""
+        key = ("history" if history else "prefill", q.dtype, q.shape[-1], k_cache.shape[1], q.device)
+        if key not in meta.plans:
+            build = self._build_history_plan if history else self._build_plan
+            meta.plans[key] = build(q.dtype, q.shape[-1], k_cache.shape[1], meta, q.device)
+        return meta.plans[key]
+
+    def _build_history_plan(self, dtype: torch.dtype, head_dim: int, block_size: int, meta: AttentionMetadata,
+                            device: torch.device) -> PrefillPlan:
+        """Sequences with keys: several rows go to the prefill kernel, one row to the decode kernel."""
+        config = self.ops.prefill_config(dtype, head_dim, block_size)
+        with_keys = [n if s > 0 else 0 for n, s in zip(meta.query_lens, meta.seq_lens)]
+        schedule = self.ops.build_prefill_schedule(with_keys, config.block_m, device, meta.seq_lens,
+                                                   skip_single_token=True)
+        decode = [i for i, n in enumerate(with_keys) if n == 1]
+        if not decode:
+            return PrefillPlan(config, schedule, None, 0)
+        decode_ids = torch.tensor(decode, dtype=torch.int32).to(device, non_blocking=True)
+        return PrefillPlan(config, schedule, decode_ids, max(meta.seq_lens[i] for i in decode))
 
     def _build_plan(self, dtype: torch.dtype, head_dim: int, block_size: int, meta: AttentionMetadata,
                     device: torch.device) -> PrefillPlan:

@@ -65,8 +65,9 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one GEMM; the checkpoint's q_proj/k_proj/v_proj load into its row ranges.
@@ -87,7 +88,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        if meta.offload is not None:  # part of the KV is in host memory
+            out = meta.offload.attention(self.layer_idx, self.backend, q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -103,9 +107,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer_idx)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -120,7 +124,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:

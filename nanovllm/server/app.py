@@ -39,7 +39,7 @@ class OpenAIServer:
     def __init__(self, llm: LLM, served_model_name: str | None = None, max_pending_requests: int = 256):
         self.llm = llm
         self.model_name = served_model_name or Path(llm.config.model).name
-        self.served_names = {self.model_name, llm.config.model}
+        self.served_names = (self.model_name, llm.config.model)
         self.metrics = ServerMetrics(self.model_name)
         self.engine = AsyncEngine(llm, self.metrics, max_pending_requests)
         self.app = Starlette(

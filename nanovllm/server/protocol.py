@@ -56,7 +56,7 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def parse_completion(body: dict, served_names: set[str]) -> ParsedRequest:
+def parse_completion(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
     _check_fields(body, COMPLETION_FIELDS)
     _unsupported(body, "echo", (None, False), "echo is not supported")
     _unsupported(body, "best_of", (None, 1), "best_of must be 1")
@@ -64,7 +64,7 @@ def parse_completion(body: dict, served_names: set[str]) -> ParsedRequest:
     return _parsed(body, served_names, prompt=_prompt(body.get("prompt")), messages=None, default_max_tokens=16)
 
 
-def parse_chat(body: dict, served_names: set[str]) -> ParsedRequest:
+def parse_chat(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
     _check_fields(body, CHAT_FIELDS)
     _unsupported(body, "top_logprobs", (None, 0), "top_logprobs is not supported")
     for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls"):
@@ -74,12 +74,12 @@ def parse_chat(body: dict, served_names: set[str]) -> ParsedRequest:
     return _parsed(body, served_names, prompt=None, messages=_messages(body.get("messages")), default_max_tokens=None)
 
 
-def _parsed(body: dict, served_names: set[str], prompt, messages, default_max_tokens: int | None) -> ParsedRequest:
+def _parsed(body: dict, served_names: tuple[str, ...], prompt, messages, default_max_tokens: int | None) -> ParsedRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, f"model must be a string, got {_kind(model)}", "model")
     if model is not None and model not in served_names:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(served_names)[0]!r}",
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_names[0]!r}",
                        "model", "model_not_found")
     if body.get("n") not in (None, 1):
         raise APIError(400, "n must be 1: one completion per request is supported", "n")
@@ -99,7 +99,7 @@ def _parsed(body: dict, served_names: set[str], prompt, messages, default_max_to
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     params = _sampling_params(body, max_tokens if max_tokens is not None else default_max_tokens)
     return ParsedRequest(prompt, messages, params, max_tokens is not None or default_max_tokens is not None, stream,
-                         _include_usage(body, stream), model or sorted(served_names)[0])
+                         _include_usage(body, stream), model or served_names[0])
 
 
 def _sampling_params(body: dict, max_tokens: int | None) -> SamplingParams:

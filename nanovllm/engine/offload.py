@@ -1,0 +1,215 @@
+"""KV-cache CPU offload: a pinned host pool and, per step, the copies and attention it needs.
+
+Placement (decided by the BlockManager): new KV is always written to device blocks; full, computed
+blocks move to the host pool when the device pool runs short. A step therefore sees, per sequence,
+some device blocks (its newest tokens always among them) and some host blocks, all full and all older
+than the step's new tokens. Attention of one layer is split in two and merged by log-sum-exp:
+
+- over the device blocks, with the usual causal backend call (which also stores the new K/V), on a
+  compacted block table: dropping whole blocks that precede every query keeps the causal mask right;
+- over the host blocks, without a mask, streamed through a GPU ring of RING_SLOTS staging slots on a
+  copy stream: while the compute stream attends over one slot, the next (layer, piece) is copied into
+  the other. Host KV that exceeds a slot is split into several pieces.
+
+Blocks moved out by this step's scheduling are copied device->host on a second stream at the start of
+the step, one layer at a time; each layer waits for its copy before storing new K/V, because the freed
+device blocks may be reused in the same step. On the CPU ("device" and host pools both in RAM) the
+streams are absent and every copy is synchronous, which is how the orchestration is tested in CI.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.kernels.reference import merge_attention_states
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+
+RING_SLOTS = 2
+RING_SLOT_BYTES = 256 * 2**20  # per slot; a 128-block slot of Llama-8B-shaped KV (1 MiB per block and layer)
+
+
+def consecutive_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs -> (src start, dst start, length) runs where both sides are consecutive."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [tuple(r) for r in runs]
+
+
+@dataclass
+class HistoryPiece:
+    """Host blocks that fit in one ring slot: copy runs (host start, slot start, n) and the metadata of
+    attention over them (seq_lens: each sequence's host tokens in this piece, tables into the slot)."""
+
+    runs: list[tuple[int, int, int]]
+    meta: AttentionMetadata
+
+
+@dataclass
+class TransferStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+
+
+class KVOffloader:
+    """The pinned host pool [2, layers, host blocks, block_size, Hk, D], the GPU ring and the copy streams."""
+
+    def __init__(self, kv_cache: PagedKVCache, num_host_blocks: int, ring_blocks: int):
+        data = kv_cache.data
+        _, num_layers, _, block_size, num_kv_heads, head_dim = data.shape
+        self.device = data.device
+        self.device_kv = data
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.ring_blocks = ring_blocks
+        pin = self.device.type == "cuda"
+        self.host = torch.empty(2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim, dtype=data.dtype,
+                                pin_memory=pin)
+        self.ring = torch.empty(2, RING_SLOTS, ring_blocks, block_size, num_kv_heads, head_dim, dtype=data.dtype,
+                                device=self.device)
+        self.h2d_stream = torch.cuda.Stream(self.device) if pin else None
+        self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
+        self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
+        self.stats = TransferStats()
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        return self.host[:, 0, 0].numel() * self.host.element_size()
+
+    def plan_step(self, backend: AttentionBackend, query_lens: list[int], host_tables: list[list[int]],
+                  offloads: list[tuple[int, int]]) -> OffloadStep:
+        """host_tables: per sequence, its host block ids; offloads: (device, host) blocks to copy out first."""
+        pieces = [HistoryPiece(runs, backend.build_metadata(query_lens, [len(t) * self.block_size for t in tables],
+                                                            tables, [], self.block_size, self.device))
+                  for runs, tables in self._pack(host_tables)]
+        return OffloadStep(self, pieces, consecutive_runs(sorted(offloads)))
+
+    def _pack(self, host_tables: list[list[int]]) -> list[tuple[list[tuple[int, int, int]], list[list[int]]]]:
+        """Fill ring slots with each sequence's host blocks (runs of consecutive ids kept together)."""
+        pieces: list[tuple[list[tuple[int, int, int]], list[list[int]]]] = []
+        runs: list[tuple[int, int, int]] = []
+        tables: list[list[int]] = [[] for _ in host_tables]
+        for i, blocks in enumerate(host_tables):
+            for host_start, _, length in consecutive_runs([(b, b) for b in sorted(blocks)]):
+                while length:
+                    used = sum(r[2] for r in runs)
+                    take = min(length, self.ring_blocks - used)
+                    runs.append((host_start, used, take))
+                    tables[i].extend(range(used, used + take))
+                    host_start, length = host_start + take, length - take
+                    if used + take == self.ring_blocks:
+                        pieces.append((runs, tables))
+                        runs, tables = [], [[] for _ in host_tables]
+        if runs:
+            pieces.append((runs, tables))
+        return pieces
+
+
+class OffloadStep:
+    """One step's copies and split attention; `attention` is called by every layer, in order."""
+
+    def __init__(self, offloader: KVOffloader, pieces: list[HistoryPiece], offload_runs: list[tuple[int, int, int]]):
+        self.o = offloader
+        self.pieces = pieces
+        self.offload_runs = offload_runs
+        self.cuda = offloader.h2d_stream is not None
+        self.d2h_done: list[torch.cuda.Event] = []
+        self.copied: dict[int, torch.cuda.Event] = {}
+        self.slot_free: list[torch.cuda.Event | None] = [None] * RING_SLOTS
+
+    @property
+    def num_units(self) -> int:
+        return self.o.num_layers * len(self.pieces)
+
+    def begin(self) -> None:
+        """Enqueue the device->host copies of every layer and the first ring fills."""
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.o.device)
+            self.o.h2d_stream.wait_stream(compute)  # the previous step may still read the ring
+            if self.o.last_d2h is not None:
+                self.o.h2d_stream.wait_event(self.o.last_d2h)  # host blocks it wrote may be read now
+        self._offload_all_layers()
+        for unit in range(min(RING_SLOTS, self.num_units)):
+            self._fill(unit)
+
+    def _offload_all_layers(self) -> None:
+        if not self.offload_runs:
+            return
+        if self.cuda:
+            self.o.d2h_stream.wait_stream(torch.cuda.current_stream(self.o.device))
+        for layer in range(self.o.num_layers):
+            with torch.cuda.stream(self.o.d2h_stream) if self.cuda else nullcontext():
+                for device_start, host_start, n in self.offload_runs:
+                    for kv in range(2):
+                        self.o.host[kv, layer, host_start : host_start + n].copy_(
+                            self.o.device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
+                self._count("d2h", n=2 * len(self.offload_runs), blocks=sum(r[2] for r in self.offload_runs))
+                if self.cuda:
+                    event = torch.cuda.Event()
+                    event.record(self.o.d2h_stream)
+                    self.d2h_done.append(event)
+        if self.cuda:
+            self.o.last_d2h = self.d2h_done[-1]
+
+    def _fill(self, unit: int) -> None:
+        """Copy (layer, piece) = divmod(unit, pieces) into ring slot unit % RING_SLOTS."""
+        layer, p = divmod(unit, len(self.pieces))
+        slot = unit % RING_SLOTS
+        runs = self.pieces[p].runs
+        with torch.cuda.stream(self.o.h2d_stream) if self.cuda else nullcontext():
+            if self.cuda:
+                if self.slot_free[slot] is not None:
+                    self.o.h2d_stream.wait_event(self.slot_free[slot])
+                if self.d2h_done:
+                    self.o.h2d_stream.wait_event(self.d2h_done[layer])
+            for host_start, ring_start, n in runs:
+                for kv in range(2):
+                    self.o.ring[kv, slot, ring_start : ring_start + n].copy_(
+                        self.o.host[kv, layer, host_start : host_start + n], non_blocking=True)
+            self._count("h2d", n=2 * len(runs), blocks=sum(r[2] for r in runs))
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(self.o.h2d_stream)
+                self.copied[unit] = event
+
+    def _count(self, direction: str, n: int, blocks: int) -> None:
+        nbytes = blocks * self.o.block_bytes_per_layer
+        if direction == "h2d":
+            self.o.stats.h2d_bytes += nbytes
+            self.o.stats.h2d_copies += n
+        else:
+            self.o.stats.d2h_bytes += nbytes
+            self.o.stats.d2h_copies += n
+
+    def attention(self, layer: int, backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store the new K/V, attend over device blocks, then over each host piece; merge by LSE."""
+        compute = torch.cuda.current_stream(self.o.device) if self.cuda else None
+        if self.d2h_done:
+            compute.wait_event(self.d2h_done[layer])  # reused device blocks must be copied out first
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        backend.forward_with_lse(q, k, v, k_cache, v_cache, meta, scale, out=(out, lse))
+        for p, piece in enumerate(self.pieces):
+            unit = layer * len(self.pieces) + p
+            slot = unit % RING_SLOTS
+            if self.cuda:
+                compute.wait_event(self.copied.pop(unit))
+            part = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
+            backend.history_attention(q, self.o.ring[0, slot], self.o.ring[1, slot], piece.meta, scale, part)
+            if self.cuda:
+                freed = torch.cuda.Event()
+                freed.record(compute)
+                self.slot_free[slot] = freed
+            if unit + RING_SLOTS < self.num_units:
+                self._fill(unit + RING_SLOTS)
+            out, lse = merge_attention_states(out, lse, *part)
+        return out.to(q.dtype)
