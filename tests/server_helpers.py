@@ -1,0 +1,66 @@
+"""Start `nanovllm serve` as a subprocess on a free port and wait for /health (shared by the server tests)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from nanovllm.server.metrics import parse_metrics
+from nanovllm.serving_bench import free_port
+
+# Small enough for a 2-core CPU: fp32, 16-token blocks, a bounded KV pool and context.
+SMALL_ENGINE = ["--dtype", "float32", "--kvcache-block-size", "16", "--max-model-len", "256",
+                "--max-num-batched-tokens", "512"]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, args: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "nanovllm.cli", "serve", str(model), "--port", str(self.port),
+               "--served-model-name", "smollm2", "--log-level", "warning", *SMALL_ENGINE, *args]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the server did not become healthy")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds KV blocks (aborts reach the engine asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["nanovllm_requests_running"] == m["nanovllm_requests_waiting"] == 0 \
+                and m['nanovllm_kv_blocks_used{pool="gpu"}'] == 0 and m["nanovllm_requests_pending"] == 0
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
