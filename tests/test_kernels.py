@@ -78,6 +78,8 @@ def make_batch(query_lens: list[int], seq_lens: list[int], num_kv_heads: int, gr
 def _poison_unused(k_cache, v_cache, tables, seq_lens, spare_blocks) -> None:
     block_size = k_cache.shape[1]
     for table, seq_len in zip(tables, seq_lens):
+        if not table:
+            continue
         tail = seq_len - (len(table) - 1) * block_size
         for cache in (k_cache, v_cache):
             cache[table[-1], tail:] = float("nan")
@@ -317,6 +319,40 @@ def test_backend_matches_torch_backend(ops, decode):
     ref = paged_attention_reference(b.q, got_k, got_v, meta.cu_query_lens, meta.seq_lens_tensor,
                                     meta.block_tables_tensor, 0.125)
     assert_matches((out, lse), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_kernel_non_causal(ops, dtype):
+    """History attention (CPU offload): every query row sees all of its sequence's keys."""
+    query_lens, seq_lens = [5, 40, 2, 17], [32, 16, 48, 64]  # more queries than keys is allowed too
+    b = make_batch(query_lens, seq_lens, 2, 4, 64, 16, dtype, seed=5)
+    got = ops.paged_prefill_attention(*b.args(0.1), causal=False)
+    want = paged_attention_reference(*b.args(0.1), causal=False)
+    assert_matches(got, want, dtype)
+    causal = paged_attention_reference(*b.args(0.1))
+    assert not torch.allclose(causal[1], want[1])  # the two modes really differ on these shapes
+
+
+def test_history_attention_matches_torch_backend(ops):
+    """Both backends: decode and prefill rows, a sequence without keys keeps its (0, -inf) rows."""
+    dtype = DTYPES[0]
+    query_lens, seq_lens = [3, 1, 20, 1, 4], [32, 0, 48, 16, 0]
+    b = make_batch(query_lens, seq_lens, 2, 2, 64, 16, dtype, seed=6)
+    tables = [[int(x) for x in t if x >= 0] for t in b.block_tables]
+    results = []
+    for name in ("torch", "triton"):
+        backend = get_attention_backend(name)
+        meta = backend.build_metadata(query_lens, seq_lens, tables, [], 16, DEVICE)
+        out = (torch.zeros(b.q.shape, dtype=torch.float32, device=DEVICE),
+               torch.full(b.q.shape[:2], float("-inf"), device=DEVICE))
+        backend.history_attention(b.q, b.k_cache, b.v_cache, meta, 0.2, out)
+        results.append(out)
+    want = paged_attention_reference(*b.args(0.2), causal=False)
+    for out, lse in results:
+        torch.testing.assert_close(out, want[0].float(), atol=TOLERANCES[dtype][0], rtol=TOLERANCES[dtype][1])
+        torch.testing.assert_close(lse, want[1], atol=TOLERANCES[dtype][2], rtol=1e-5)
+    empty_rows = [3, 25, 26, 27, 28]  # rows of the two sequences without keys
+    assert torch.isinf(results[1][1][empty_rows]).all() and (results[1][0][empty_rows] == 0).all()
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))

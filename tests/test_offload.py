@@ -1,0 +1,179 @@
+"""KV-cache CPU offload through the engine: the same tokens and logprobs as without offload.
+
+On the CPU the "device" and host pools are both RAM tensors and the copies are synchronous, which
+exercises the whole orchestration (placement, copy plans, ring slots, split attention merged by LSE,
+preemption when the host pool is full) in CI. The cuda-marked tests repeat it on a GPU with streams.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import offload
+from nanovllm.engine.block_manager import is_host_block
+from nanovllm.engine.offload import consecutive_runs
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+BS = 16
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 5, 97, 64, 230, 33)]
+
+
+def generate(llm: LLM, batch, params=GREEDY):
+    return llm.generate(batch, params, use_tqdm=False)
+
+
+def assert_same(got, want) -> None:
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert lp_g.keys() == lp_w.keys()
+            for t in lp_g:
+                assert abs(lp_g[t] - lp_w[t]) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(str(tiny_llama), kvcache_block_size=BS, num_gpu_blocks=256, device="cpu")
+    return generate(llm, prompts())
+
+
+def offload_llm(path, ring_blocks: int | None = None, monkeypatch=None, **options) -> LLM:
+    if ring_blocks is not None:  # ring slots of ring_blocks blocks of one layer's KV (tiny llama: 4 KiB each)
+        monkeypatch.setattr(offload, "RING_SLOT_BYTES", ring_blocks * 2 * BS * 2 * 16 * 4)
+    opts = dict(kvcache_block_size=BS, num_gpu_blocks=6, enable_cpu_offload=True, cpu_kv_cache_gb=0.01,
+                max_num_batched_tokens=64, device="cpu")
+    return LLM(str(path), **{**opts, **options})
+
+
+def assert_all_free(llm: LLM) -> None:
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_used_host_blocks == 0
+    bm.check_invariants([])
+
+
+def test_consecutive_runs():
+    assert consecutive_runs([(3, 10), (4, 11), (5, 12), (9, 13), (10, 14), (2, 20)]) == [
+        (3, 10, 3), (9, 13, 2), (2, 20, 1)]
+    assert consecutive_runs([]) == []
+
+
+@pytest.mark.parametrize("ring_blocks", [1, 3, 32])
+def test_offload_matches_device_only(tiny_llama, reference, monkeypatch, ring_blocks):
+    """Six requests in 6 device blocks: most KV lives on the host, streamed in 1, 3 or 32-block pieces."""
+    llm = offload_llm(tiny_llama, ring_blocks, monkeypatch)
+    assert llm.runner.offloader.ring_blocks == ring_blocks
+    got = generate(llm, prompts())
+    assert_same(got, reference)
+    stats = llm.runner.offloader.stats
+    assert stats.d2h_bytes > 0 and stats.h2d_bytes > stats.d2h_bytes  # history is read back every step
+    assert llm.scheduler.num_preemptions == 0
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("budget", [7, 16, 300])
+def test_offload_with_chunk_budgets(tiny_llama, reference, budget):
+    llm = offload_llm(tiny_llama, max_num_batched_tokens=budget, num_gpu_blocks=20)
+    assert_same(generate(llm, prompts()), reference)
+    assert_all_free(llm)
+
+
+def test_one_device_block_is_enough(tiny_llama, reference):
+    llm = offload_llm(tiny_llama, num_gpu_blocks=1, max_num_seqs=1)
+    assert_same(generate(llm, prompts()), reference)
+    assert_all_free(llm)
+
+
+def test_full_host_pool_preempts_and_resumes(tiny_llama, reference):
+    # 8 device + 30 host blocks cannot hold all six requests (44 blocks) at once.
+    bytes_per_block = 2 * 2 * BS * 2 * 16 * 4
+    llm = offload_llm(tiny_llama, cpu_kv_cache_gb=30 * bytes_per_block / 2**30, num_gpu_blocks=8)
+    assert llm.block_manager.num_host_blocks == 30
+    assert_same(generate(llm, prompts()), reference)
+    assert llm.scheduler.num_preemptions > 0 and llm.runner.offloader.stats.d2h_bytes > 0
+    assert_all_free(llm)
+
+
+def test_requests_in_sequence_equal_fresh_engines(tiny_llama):
+    """No state leaks between requests: one engine serving them in turn == a fresh engine per request."""
+    llm = offload_llm(tiny_llama)
+    in_turn = [generate(llm, [p])[0] for p in prompts(1)]
+    fresh = [generate(offload_llm(tiny_llama), [p])[0] for p in prompts(1)]
+    assert_same(in_turn, fresh)
+    assert_all_free(llm)
+
+
+def test_prompt_logprobs_with_offload(tiny_llama):
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    batch = prompts(2)[:3]
+    want = generate(LLM(str(tiny_llama), kvcache_block_size=BS, num_gpu_blocks=256, device="cpu"), batch, params)
+    got = generate(offload_llm(tiny_llama, num_gpu_blocks=3), batch, params)
+    for g, w in zip(got, want):
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            (ta, va), = a.items()
+            (tb, vb), = b.items()
+            assert ta == tb and abs(va - vb) < 1e-4
+
+
+def test_request_beyond_device_plus_host_is_refused(tiny_llama, reference):
+    llm = offload_llm(tiny_llama, cpu_kv_cache_gb=10 * 8192 / 2**30)  # 6 device + 10 host blocks: 256 tokens
+    with pytest.raises(ValueError, match=r"needs 19 KV blocks .* has 6 device \+ 10 host blocks"):
+        llm.add_request(list(range(200)), SamplingParams(max_tokens=100))
+    assert_same(generate(llm, prompts()[:2]), reference[:2])  # the engine still serves
+    assert_all_free(llm)
+
+
+def test_blocks_really_move_to_the_host(tiny_llama):
+    llm = offload_llm(tiny_llama)
+    llm.add_request(prompts()[4], SamplingParams(max_tokens=4))
+    seen_host = False
+    while llm.has_unfinished_requests():
+        llm.step()
+        for seq in llm.scheduler.running:
+            seen_host |= any(is_host_block(b) for b in seq.block_table)
+            assert not is_host_block(seq.block_table[-1])  # the newest tokens are on the device
+    assert seen_host
+    assert_all_free(llm)
+
+
+def test_prefix_caching_with_offload_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="enable_prefix_caching=True cannot be combined"):
+        offload_llm(tiny_llama, enable_prefix_caching=True)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_with_offload_cpu(smollm2_path):
+    text = open(__file__).read()[:6000]  # ~1.5K tokens of real text
+    params = SamplingParams(temperature=0, max_tokens=16)
+    want = generate(LLM(str(smollm2_path), device="cpu", kvcache_block_size=64, num_gpu_blocks=64), [text], params)
+    llm = LLM(str(smollm2_path), device="cpu", kvcache_block_size=64, num_gpu_blocks=6, enable_cpu_offload=True,
+              cpu_kv_cache_gb=0.2, max_num_batched_tokens=512)
+    got = generate(llm, [text], params)
+    assert got[0].token_ids == want[0].token_ids
+    assert llm.runner.offloader.stats.h2d_bytes > 0
+    assert_all_free(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [4096, 8192])
+def test_smollm2_greedy_with_offload_cuda(smollm2_path, length):
+    """bf16 on the GPU with copy streams: greedy tokens equal GPU-only at 4K and 8K with most KV on the host."""
+    from nanovllm.eval.needle import essay_sentences
+
+    llm = LLM(str(smollm2_path), kvcache_block_size=256, num_gpu_blocks=64)
+    essay = llm.tokenizer(" ".join(essay_sentences(3 * length))).input_ids
+    batch = [essay[start : start + length - 64] for start in (0, length // 2, length)]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    want = generate(llm, batch, params)
+    del llm
+    off = LLM(str(smollm2_path), kvcache_block_size=256, num_gpu_blocks=12, enable_cpu_offload=True,
+              cpu_kv_cache_gb=1.0)
+    got = generate(off, batch, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert off.runner.offloader.stats.h2d_bytes > 0
+    assert_all_free(off)
