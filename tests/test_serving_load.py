@@ -1,0 +1,102 @@
+"""The server under load from a separate process: 100 concurrent streams, ~20% hang up early.
+
+Every request that stays connected must complete with exactly the greedy text of the same request
+sent alone without streaming; afterwards no
+KV block is in use, nothing runs, and the server is healthy. Last, SIGTERM drains a request in flight.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_helpers import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "The three primary colours are",
+           "import numpy as np\n", "Water boils at", "My favourite fruit is", "The sun rises in the"]
+MAX_TOKENS = 8
+REQUESTS = 100
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("load") / "server.log"
+    srv = ServerProcess(smollm2_path, ["--num-gpu-blocks", "256", "--max-pending-requests", "128"], log)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(server) -> dict[str, str]:
+    """One non-streaming greedy request per prompt, alone on the server (test_server checks these equal
+    LLM.generate; here that would cost a second model load)."""
+    texts = {}
+    for prompt in PROMPTS:
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                              json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        texts[prompt] = response.json()["choices"][0]["text"]
+    return texts
+
+
+def test_100_concurrent_streams_with_disconnects(server, expected):
+    before = server.metrics()
+    client = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "load_client.py"), server.url, json.dumps(PROMPTS),
+         "--requests", str(REQUESTS), "--disconnect-fraction", "0.2", "--max-tokens", str(MAX_TOKENS)],
+        capture_output=True, text=True, timeout=300)
+    assert client.returncode == 0, client.stderr[-3000:]
+    results = json.loads(client.stdout)
+    kept = [r for r in results if not r["aborted"]]
+    hung_up = [r for r in results if r["aborted"]]
+    assert len(results) == REQUESTS and 10 <= len(hung_up) <= 30
+    assert all(r["status"] == 200 for r in results)
+    for r in kept:
+        prompt = PROMPTS[r["index"] % len(PROMPTS)]
+        assert r["done"] and r["finish_reason"] in ("stop", "length"), r
+        assert r["text"] == expected[prompt], (prompt, r["text"], expected[prompt])
+
+    after = server.wait_idle()
+    assert after['nanovllm_kv_blocks_used{pool="gpu"}'] == 0  # no leaked blocks
+    assert after["nanovllm_requests_running"] == 0 and after["nanovllm_requests_waiting"] == 0
+    finished = sum(after[f'nanovllm_requests_finished_total{{finish_reason="{r}"}}']
+                   - before[f'nanovllm_requests_finished_total{{finish_reason="{r}"}}'] for r in ("stop", "length"))
+    aborted = after['nanovllm_requests_finished_total{finish_reason="abort"}'] \
+        - before['nanovllm_requests_finished_total{finish_reason="abort"}']
+    assert finished + aborted == REQUESTS and finished >= len(kept)  # a hang-up after the last token is no abort
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    again = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert again.json()["choices"][0]["text"] == expected[PROMPTS[0]]
+
+
+def test_sigterm_drains_requests_in_flight(server):
+    body = {"prompt": PROMPTS[2], "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks: list[dict] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not chunks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert chunks, "no chunk arrived"
+    server.proc.send_signal(signal.SIGTERM)
+    reader.join(timeout=120)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 64 tokens arrived after the signal
+    assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
