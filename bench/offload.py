@@ -1,0 +1,211 @@
+"""KV-cache CPU offload on a Llama-3.1-8B-shaped model (random bf16 weights), in one process:
+
+- the offload engine gets the KV budget a 24 GB card would leave (24 GiB - weights - ACTIVATION_GIB
+  for activations, CUDA context and the staging ring), the rest of the KV goes to pinned host memory;
+- the same cases on a GPU-only engine with the whole card: prefill tokens/s ratio (target >= 90% at 32K);
+- decode ms per step against the PCIe floor: host-resident KV bytes read per step over the measured
+  pinned host-to-device bandwidth (target within 1.15x), and the PCIe GB/s achieved;
+- logprobs of every prompt position of a 32K x 4 batch, offload against GPU-only (max abs difference);
+- HF transformers generate with its offloaded cache (cache_implementation="offloaded") at 32K.
+
+    PYTHONPATH=. python3 bench/offload.py [--cases 1x32768 4x32768 ...] [--decode-steps 8] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from common import HERE, hf_model, log, require_cuda, save_results, timed
+from nanovllm import LLM, SamplingParams
+
+CARD_GIB = 24
+ACTIVATION_GIB = 2.5
+DEFAULT_CASES = ["1x32768", "4x32768", "1x65536", "4x65536", "1x131072", "4x131072"]
+
+
+def measure_h2d_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
+    """Pinned host-to-device copy bandwidth in bytes/s (one large copy at a time)."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return n / seconds
+
+
+def parse_cases(cases: list[str], max_len: int, decode_steps: int) -> list[tuple[int, int]]:
+    out = []
+    for case in cases:
+        batch, context = (int(x) for x in case.split("x"))
+        out.append((batch, min(context, max_len - decode_steps - 2)))  # 128K: leave room for the new tokens
+    return out
+
+
+def random_prompts(vocab: int, batch: int, context: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+
+
+def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
+    """Prefill all prompts (until every request has its first token), then time decode_steps steps."""
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 2, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    started: set[str] = set()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while len(started) < len(ids):
+        started.update(o.request_id for o in llm.step())
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    offloader = llm.runner.offloader
+    h2d0 = offloader.stats.h2d_bytes if offloader else 0
+    copies0 = offloader.stats.h2d_copies if offloader else 0
+    host_blocks = llm.block_manager.num_used_host_blocks
+    t1 = time.perf_counter()
+    for _ in range(decode_steps):
+        llm.step()
+    torch.cuda.synchronize()
+    decode_s = (time.perf_counter() - t1) / decode_steps
+    while llm.has_unfinished_requests():
+        llm.step()
+    h2d = (offloader.stats.h2d_bytes - h2d0) / decode_steps if offloader else 0
+    copies = (offloader.stats.h2d_copies - copies0) / decode_steps if offloader else 0
+    return {"prefill_tok_s": sum(map(len, prompts)) / prefill_s, "prefill_s": prefill_s,
+            "decode_ms": 1e3 * decode_s, "h2d_bytes_per_step": h2d, "h2d_copies_per_step": copies,
+            "host_blocks": host_blocks}
+
+
+def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [[next(iter(d.values())) for d in o.prompt_logprobs[1:]] for o in outs]
+
+
+def warm_up(llm: LLM, vocab: int) -> None:
+    """Compile every kernel variant; with offload the prompts overflow the device pool, so its paths run too."""
+    tokens = (llm.block_manager.num_blocks + 16) * llm.config.kvcache_block_size if llm.runner.offloader else 8192
+    llm.generate(random_prompts(vocab, 4, min(tokens // 4, 32768), 99), SamplingParams(max_tokens=3), use_tqdm=False)
+
+
+def free(llm: LLM) -> None:
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def hf_offloaded(config_dir: str, context: int, decode_steps: int) -> dict:
+    model = hf_model(config_dir)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
+    gen = dict(do_sample=False, cache_implementation="offloaded", pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:, :256], max_new_tokens=2, **gen)  # warm-up
+        _, prefill_s = timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen))
+        _, total_s = timed(lambda: model.generate(ids, max_new_tokens=decode_steps + 1,
+                                                  min_new_tokens=decode_steps + 1, **gen))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"context": context, "prefill_tok_s": context / prefill_s,
+            "decode_ms": 1e3 * (total_s - prefill_s) / decode_steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(HERE / "configs" / "llama-3.1-8b"))
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="BATCHxCONTEXT")
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-gpu-only", action="store_true")
+    args = ap.parse_args()
+    require_cuda()
+    h2d = measure_h2d_bandwidth()
+    log(f"pinned host->device bandwidth: {h2d / 1e9:.1f} GB/s")
+    common = dict(load_format="dummy")
+    results: dict = {"h2d_bandwidth_gbs": h2d / 1e9, "cases": [], "card_gib": CARD_GIB}
+
+    probe = LLM(args.config, num_gpu_blocks=1, load_format="dummy", enforce_eager=True)
+    max_len = probe.config.max_model_len
+    vocab = probe.config.hf_config["vocab_size"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
+    block_bytes = probe.runner.bytes_per_block
+    free(probe)
+    cases = parse_cases(args.cases, max_len, args.decode_steps)
+    kv_bytes_needed = max(b * (c + args.decode_steps + 2) for b, c in cases) * block_bytes / 256
+    device_gib = CARD_GIB - weight_bytes / 2**30 - ACTIVATION_GIB
+    num_gpu_blocks = int(device_gib * 2**30 // block_bytes)
+    host_gib = kv_bytes_needed / 2**30 - num_gpu_blocks * block_bytes / 2**30 + 1
+    results.update(num_gpu_blocks=num_gpu_blocks, device_kv_gib=num_gpu_blocks * block_bytes / 2**30,
+                   host_kv_gib=host_gib, weights_gib=weight_bytes / 2**30)
+    log(f"24 GB card budget: {num_gpu_blocks} device blocks ({num_gpu_blocks * block_bytes / 2**30:.1f} GiB), "
+        f"host pool {host_gib:.1f} GiB")
+
+    logprob_case = [c for c in cases if c == (4, 32768)]
+    reference_logprobs = None
+    gpu_only: dict = {}
+    if not args.skip_gpu_only:
+        llm = LLM(args.config, max_model_len=max_len, **common)
+        warm_up(llm, vocab)
+        for batch, context in cases:
+            gpu_only[(batch, context)] = r = run_case(llm, random_prompts(vocab, batch, context, context + batch),
+                                                      args.decode_steps)
+            log(f"GPU-only {batch}x{context}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_ms']:.1f} ms")
+        if logprob_case:
+            reference_logprobs = prompt_logprobs(llm, random_prompts(vocab, 4, 32768, 7))
+        free(llm)
+
+    llm = LLM(args.config, max_model_len=max_len, num_gpu_blocks=num_gpu_blocks, enable_cpu_offload=True,
+              cpu_kv_cache_gb=host_gib, **common)
+    warm_up(llm, vocab)
+    for batch, context in cases:
+        r = run_case(llm, random_prompts(vocab, batch, context, context + batch), args.decode_steps)
+        floor_ms = 1e3 * r["h2d_bytes_per_step"] / h2d
+        r.update(batch=batch, context=context, pcie_floor_ms=floor_ms,
+                 decode_vs_floor=r["decode_ms"] / floor_ms if floor_ms else None,
+                 achieved_pcie_gbs=r["h2d_bytes_per_step"] / (r["decode_ms"] / 1e3) / 1e9,
+                 mib_per_copy=r["h2d_bytes_per_step"] / max(r["h2d_copies_per_step"], 1) / 2**20)
+        peer = gpu_only.get((batch, context))
+        if peer:
+            r.update(gpu_only=peer, prefill_vs_gpu_only=r["prefill_tok_s"] / peer["prefill_tok_s"])
+        results["cases"].append(r)
+        log(f"offload {batch}x{context}: prefill {r['prefill_tok_s']:.0f} tok/s"
+            + (f" = {r['prefill_vs_gpu_only']:.0%} of GPU-only" if peer else "")
+            + f"; decode {r['decode_ms']:.1f} ms/step, {r['host_blocks']} host blocks, "
+            f"floor {floor_ms:.1f} ms" + (f" -> {r['decode_vs_floor']:.2f}x" if floor_ms else "")
+            + f", {r['achieved_pcie_gbs']:.1f} GB/s, {r['mib_per_copy']:.1f} MiB per copy")
+    if reference_logprobs is not None:
+        offloaded_before = llm.runner.offloader.stats.d2h_bytes
+        got = prompt_logprobs(llm, random_prompts(vocab, 4, 32768, 7))
+        diffs = torch.tensor([a - b for x, y in zip(got, reference_logprobs) for a, b in zip(x, y)]).abs()
+        results["logprob_check_4x32768"] = {
+            "max_abs_diff": diffs.max().item(), "mean_abs_diff": diffs.mean().item(), "positions": diffs.numel(),
+            "offloaded_gib": (llm.runner.offloader.stats.d2h_bytes - offloaded_before) / 2**30}
+        log(f"prompt logprobs 4x32K offload vs GPU-only: max |diff| {diffs.max():.2e}, mean {diffs.mean():.2e}")
+    free(llm)
+
+    if not args.skip_hf:
+        try:
+            hf = hf_offloaded(args.config, 32768, min(args.decode_steps, 4))
+            results["hf_offloaded_32k"] = hf
+            ours = next((c for c in results["cases"] if c["batch"] == 1 and c["context"] == 32768), None)
+            log(f"HF offloaded cache 32K: prefill {hf['prefill_tok_s']:.0f} tok/s, decode {hf['decode_ms']:.1f} ms"
+                + (f"; ours {ours['prefill_tok_s'] / hf['prefill_tok_s']:.1f}x prefill, "
+                   f"{hf['decode_ms'] / ours['decode_ms']:.1f}x decode" if ours else ""))
+        except Exception as e:  # report, keep the other results
+            results["hf_offloaded_32k"] = {"error": repr(e)}
+            log(f"HF offloaded cache failed: {e!r}")
+    save_results("offload", results)
+
+
+if __name__ == "__main__":
+    main()
