@@ -405,3 +405,11 @@ def test_task_table():
     assert len(TASK_NAMES) == 13
     assert {t: TASKS[t].max_new_tokens for t in TASK_NAMES} == MAX_NEW
     assert {t for t in TASK_NAMES if TASKS[t].metric == "part"} == {"qa_1", "qa_2"}
+
+
+def test_first_samples_of_a_samples_file():
+    from nanovllm.eval.ruler.run import first_samples
+
+    samples = [{"task": t, "length": n, "i": i} for i in range(3) for t in ("vt", "cwe") for n in (4096, 8192)]
+    kept = first_samples(samples, ["vt"], [4096, 8192], 2)
+    assert [(s["length"], s["i"]) for s in kept] == [(4096, 0), (8192, 0), (4096, 1), (8192, 1)]

@@ -41,7 +41,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
 
     started = time.perf_counter()
     if samples_file:
-        samples = [s for s in load_samples(samples_file) if s["task"] in names and s["length"] in lengths]
+        samples = first_samples(load_samples(samples_file), names, lengths, num_samples)
     else:
         data.ensure_ruler_data()
         samples = generate_samples(llm.tokenizer, lengths, names, num_samples, template, seed)
@@ -101,6 +101,18 @@ def save_samples(samples: list[dict], path: str | Path) -> None:
         json.dump(samples, f, ensure_ascii=False)
 
 
+def first_samples(samples: list[dict], names: list[str], lengths: list[int], per_cell: int) -> list[dict]:
+    """The first per_cell samples of each (task, length) among names x lengths, in file order."""
+    kept: list[dict] = []
+    counts: dict[tuple[str, int], int] = {}
+    for s in samples:
+        cell = (s["task"], s["length"])
+        if s["task"] in names and s["length"] in lengths and counts.get(cell, 0) < per_cell:
+            counts[cell] = counts.get(cell, 0) + 1
+            kept.append(s)
+    return kept
+
+
 def load_samples(path: str | Path) -> list[dict]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return json.load(f)
@@ -146,7 +158,7 @@ def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence lengths in tokens (prompt + max new tokens), e.g. 4096 8k (default: 4096)")
     parser.add_argument("--tasks", nargs="+", default=["all"], metavar="TASK",
                         help=f"'all' or task names: {', '.join(TASK_NAMES)}")
-    parser.add_argument("--samples", type=int, default=10, help="samples per task and length (default: 10)")
+    parser.add_argument("--samples", type=int, default=10, help="samples per task and length (default: 10); with --samples-file, the first N of each")
     parser.add_argument("--output", default="ruler_results", help="output directory (default: ruler_results)")
     parser.add_argument("--template", choices=TEMPLATE_KINDS, default="chat",
                         help="chat: the model's chat template + answer prefix; base: bare task text + answer prefix")
