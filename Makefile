@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # torch==2.13.0 is the CPU build on the CI machines' disk; on a GPU box, an existing torch in the venv is kept.
-INSTALL := torch==2.13.0 transformers==5.17.0 -e .[models,test,ruler]
+INSTALL := torch==2.13.0 transformers==5.17.0 -e .[models,test,ruler,serve]
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
