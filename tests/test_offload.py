@@ -75,6 +75,18 @@ def test_offload_matches_device_only(tiny_llama, reference, monkeypatch, ring_bl
     assert_all_free(llm)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("ring_blocks", [1, 32])
+def test_offload_matches_device_only_cuda(tiny_llama, monkeypatch, ring_blocks):
+    """With copy streams and events: float32 on the GPU, most KV on the host."""
+    want = generate(LLM(str(tiny_llama), kvcache_block_size=BS, num_gpu_blocks=256, dtype="float32"), prompts())
+    llm = offload_llm(tiny_llama, ring_blocks, monkeypatch, device="cuda", dtype="float32")
+    assert llm.runner.offloader.host.is_pinned()
+    assert_same(generate(llm, prompts()), want)
+    assert llm.runner.offloader.stats.h2d_bytes > 0
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize("budget", [7, 16, 300])
 def test_offload_with_chunk_budgets(tiny_llama, reference, budget):
     llm = offload_llm(tiny_llama, max_num_batched_tokens=budget, num_gpu_blocks=20)
