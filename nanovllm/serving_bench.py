@@ -199,7 +199,11 @@ def print_report(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no chart")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -216,6 +220,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set(title=title, xlabel="request rate (req/s)")
         ax.legend()
     axes[3].plot(x, [r["output_throughput_tok_s"] for r in rates], marker="o", label="served")
+    inf_run = next((r for r in report["rates"] if r["request_rate"] == "inf"), None)
+    if inf_run is not None:
+        axes[3].axhline(inf_run["output_throughput_tok_s"], color="C1", ls=":", label="served, rate inf")
     axes[3].axhline(report["peer"]["output_throughput_tok_s"], color="gray", ls="--", label=report["peer"]["name"])
     axes[3].set(title="output throughput (tok/s)", xlabel="request rate (req/s)")
     axes[3].legend()
