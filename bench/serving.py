@@ -26,7 +26,8 @@ WHEELS = ROOT / ".whl"
 SITE = WHEELS / "site"
 NEEDED = {"starlette": "starlette==0.52.1", "uvicorn": "uvicorn==0.40.0", "httpx": "httpx==0.28.1",
           "httpcore": "httpcore==1.0.9", "h11": "h11==0.16.0", "anyio": "anyio", "click": "click", "idna": "idna",
-          "certifi": "certifi", "typing_extensions": "typing_extensions"}
+          "certifi": "certifi", "typing_extensions": "typing_extensions",
+          **({"exceptiongroup": "exceptiongroup"} if sys.version_info < (3, 11) else {})}
 
 
 def missing_modules() -> list[str]:
@@ -46,9 +47,10 @@ def ensure_server_packages() -> None:
                  f"    pip install {' '.join(NEEDED[m] for m in missing)}\n"
                  f"or, offline, carry wheels made elsewhere with\n"
                  f"    pip download --no-deps --only-binary=:all: -d .whl {' '.join(NEEDED.values())}")
-    print(f"installing {', '.join(missing)} from {WHEELS} into {SITE}", flush=True)
+    # all of NEEDED, not only the missing ones, so that versions match (anyio needs a recent typing_extensions)
+    print(f"missing {', '.join(missing)}: installing {', '.join(NEEDED)} from {WHEELS} into {SITE}", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
-                    str(WHEELS), "--target", str(SITE), *(NEEDED[m] for m in missing)], check=True)
+                    str(WHEELS), "--target", str(SITE), *NEEDED.values()], check=True)
     if str(SITE) not in sys.path:
         sys.path.insert(0, str(SITE))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))
