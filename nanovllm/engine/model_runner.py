@@ -83,9 +83,8 @@ class ModelRunner:
         return offload.KVOffloader(self.kv_cache, host_blocks, self._ring_blocks())
 
     def _ring_blocks(self) -> int:
-        """Blocks per ring slot: RING_SLOT_BYTES of one layer's KV, and never more than one sequence can hold."""
-        layer_block_bytes = self.bytes_per_block // self.kv_shape[0]
-        return max(1, min(offload.RING_SLOT_BYTES // layer_block_bytes, self.config.num_blocks_per_seq_limit))
+        """Blocks per ring slot: RING_SLOT_BYTES of one layer's KV."""
+        return max(1, offload.RING_SLOT_BYTES // (self.bytes_per_block // self.kv_shape[0]))
 
     @property
     def bytes_per_block(self) -> int:
