@@ -166,6 +166,17 @@ def test_disconnect_aborts_and_frees_kv_blocks(server):
     assert after["nanovllm_generation_tokens_total"] - before["nanovllm_generation_tokens_total"] < 200
 
 
+def test_non_streaming_disconnect_aborts(server):
+    before = server.metrics()
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    after = server.wait_idle()
+    aborted = 'nanovllm_requests_finished_total{finish_reason="abort"}'
+    assert after[aborted] == before[aborted] + 1 and after['nanovllm_kv_blocks_used{pool="gpu"}'] == 0
+    assert after["nanovllm_generation_tokens_total"] - before["nanovllm_generation_tokens_total"] < 200
+
+
 def test_overload_gets_503_with_an_error_body(server):
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -192,3 +203,4 @@ def test_metrics_are_prometheus_text(server):
     assert m["nanovllm_prompt_tokens_total"] > 0 and m["nanovllm_generation_tokens_total"] > 0
     assert m['nanovllm_kv_blocks_total{pool="gpu"}'] == 64 and m['nanovllm_kv_blocks_used{pool="host"}'] == 0
     assert m['nanovllm_requests_finished_total{finish_reason="length"}'] > 0
+    assert m["nanovllm_requests_pending"] == 0 and m["nanovllm_requests_running"] == 0

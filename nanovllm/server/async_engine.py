@@ -100,7 +100,7 @@ class AsyncEngine:
         self._stopping = False
         self._tracks: dict[str, _Track] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
-        self.metrics.set_stats(engine.stats(), 0)
+        self.metrics.set_stats(engine.stats())
 
     # ---- event-loop side -----------------------------------------------------------------
     def start(self) -> None:
@@ -123,6 +123,7 @@ class AsyncEngine:
             raise EngineUnavailable(f"the server is at its limit of max_pending_requests={self.max_pending_requests} "
                                     "requests in flight; retry later")
         self.pending += 1
+        self.metrics.set_pending(self.pending)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, asyncio.Queue())
         self._post(("add", request_id, prompt, params, _Track(stream.queue, loop, time.perf_counter())))
@@ -139,6 +140,7 @@ class AsyncEngine:
 
     def _release(self, request_id: str, abort: bool) -> None:
         self.pending -= 1
+        self.metrics.set_pending(self.pending)
         if abort:
             self._post(("abort", request_id))
 
@@ -153,7 +155,7 @@ class AsyncEngine:
             while self._next_commands() is not None or self.engine.has_unfinished_requests():
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step(), time.perf_counter())
-                self.metrics.set_stats(self.engine.stats(), self.pending)
+                self.metrics.set_stats(self.engine.stats())
         except BaseException as e:  # a failed step fails every request; the server stays up to report it
             self.error = e
             for track in self._tracks.values():

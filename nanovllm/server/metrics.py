@@ -48,9 +48,13 @@ class ServerMetrics:
         self.itl = Histogram(LATENCY_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
 
-    def set_stats(self, stats: EngineStats, pending: int) -> None:
+    def set_stats(self, stats: EngineStats) -> None:
         with self._lock:
-            self.stats, self.pending = stats, pending
+            self.stats = stats
+
+    def set_pending(self, pending: int) -> None:
+        with self._lock:
+            self.pending = pending
 
     def record_first_token(self, prompt_tokens: int, ttft: float) -> None:
         with self._lock:
