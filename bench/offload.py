@@ -60,7 +60,10 @@ def random_prompts(vocab: int, batch: int, context: int, seed: int) -> list[list
 
 def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
     """Prefill all prompts (until every request has its first token), then time decode_steps steps."""
-    params = SamplingParams(temperature=0, max_tokens=decode_steps + 2, ignore_eos=True)
+    # Early requests must still be decoding when the last one gets its first token: a generous max_tokens,
+    # and the requests are aborted after the measured steps.
+    prefill_steps = -(-sum(map(len, prompts)) // llm.config.max_num_batched_tokens) + len(prompts)
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + prefill_steps + 2, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     started: set[str] = set()
     torch.cuda.synchronize()
@@ -78,13 +81,13 @@ def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
         llm.step()
     torch.cuda.synchronize()
     decode_s = (time.perf_counter() - t1) / decode_steps
-    while llm.has_unfinished_requests():
-        llm.step()
+    for request_id in ids:
+        llm.abort_request(request_id)
     h2d = (offloader.stats.h2d_bytes - h2d0) / decode_steps if offloader else 0
     copies = (offloader.stats.h2d_copies - copies0) / decode_steps if offloader else 0
     return {"prefill_tok_s": sum(map(len, prompts)) / prefill_s, "prefill_s": prefill_s,
             "decode_ms": 1e3 * decode_s, "h2d_bytes_per_step": h2d, "h2d_copies_per_step": copies,
-            "host_blocks": host_blocks}
+            "host_blocks": host_blocks, "preemptions": llm.scheduler.num_preemptions}
 
 
 def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
@@ -98,8 +101,8 @@ def warm_up(llm: LLM, vocab: int) -> None:
     llm.generate(random_prompts(vocab, 4, min(tokens // 4, 32768), 99), SamplingParams(max_tokens=3), use_tqdm=False)
 
 
-def free(llm: LLM) -> None:
-    del llm
+def release_memory() -> None:
+    """After the caller dropped its engine: collect it and return its memory to the driver."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -139,7 +142,8 @@ def main() -> None:
     vocab = probe.config.hf_config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
     block_bytes = probe.runner.bytes_per_block
-    free(probe)
+    probe = None
+    release_memory()
     cases = parse_cases(args.cases, max_len, args.decode_steps)
     kv_bytes_needed = max(b * (c + args.decode_steps + 2) for b, c in cases) * block_bytes / 256
     device_gib = CARD_GIB - weight_bytes / 2**30 - ACTIVATION_GIB
@@ -162,7 +166,8 @@ def main() -> None:
             log(f"GPU-only {batch}x{context}: prefill {r['prefill_tok_s']:.0f} tok/s, decode {r['decode_ms']:.1f} ms")
         if logprob_case:
             reference_logprobs = prompt_logprobs(llm, random_prompts(vocab, 4, 32768, 7))
-        free(llm)
+        llm = None
+        release_memory()
 
     llm = LLM(args.config, max_model_len=max_len, num_gpu_blocks=num_gpu_blocks, enable_cpu_offload=True,
               cpu_kv_cache_gb=host_gib, **common)
@@ -191,7 +196,8 @@ def main() -> None:
             "max_abs_diff": diffs.max().item(), "mean_abs_diff": diffs.mean().item(), "positions": diffs.numel(),
             "offloaded_gib": (llm.runner.offloader.stats.d2h_bytes - offloaded_before) / 2**30}
         log(f"prompt logprobs 4x32K offload vs GPU-only: max |diff| {diffs.max():.2e}, mean {diffs.mean():.2e}")
-    free(llm)
+    llm = None
+    release_memory()
 
     if not args.skip_hf:
         try:

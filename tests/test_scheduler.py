@@ -435,3 +435,19 @@ def test_admission_mirror_matches_engine_check_request():
                     except ValueError:
                         accepted = False
                     assert accepted == admissible(bm, limit, n, max_tokens), (num_blocks, limit, n, max_tokens)
+
+
+def test_offload_of_a_block_freed_in_the_same_step_is_dropped():
+    """A host block freed before its copy ran may be handed out again: only the live copy must remain."""
+    bm = BlockManager(4, BS, enable_prefix_caching=False, num_host_blocks=1)
+    a, b = (Sequence([1] * 2 * BS, SamplingParams(), BS) for _ in range(2))
+    bm.admit(a, [], 2 * BS)
+    a.num_computed_tokens = 2 * BS
+    assert bm.offload_blocks(1, [a]) == 1
+    bm.free(a)
+    bm.admit(b, [], 2 * BS)
+    b.num_computed_tokens = 2 * BS
+    moved = b.block_table[1]  # the latest full block goes first
+    assert bm.offload_blocks(1, [b]) == 1
+    assert bm.take_pending_offloads() == [(moved, 0)]
+    assert b.block_table[1] == HOST_BASE

@@ -52,7 +52,7 @@ class BlockManager:
         self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its registered blocks
         self.num_host_blocks = num_host_blocks
         self.free_host_blocks: list[int] = list(range(num_host_blocks))  # a heap: lowest ids first, for long runs
-        self.pending_offloads: list[tuple[int, int]] = []  # (device block, host block) to copy before the next step
+        self.pending_offloads: dict[int, int] = {}  # host block -> device block to copy into it before the next step
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,7 +131,9 @@ class BlockManager:
         """Drop seq's references; tail blocks are freed first so shared prefixes live longest."""
         for block_id in reversed(seq.block_table):
             if is_host_block(block_id):
-                heapq.heappush(self.free_host_blocks, block_id - HOST_BASE)
+                host_block = block_id - HOST_BASE
+                self.pending_offloads.pop(host_block, None)  # its copy is moot, and the id may be reused at once
+                heapq.heappush(self.free_host_blocks, host_block)
                 continue
             self.ref_count[block_id] -= 1
             assert self.ref_count[block_id] >= 0, f"double free of block {block_id}"
@@ -157,15 +159,16 @@ class BlockManager:
         for seq, i in victims:
             device_block = seq.block_table[i]
             host_block = heapq.heappop(self.free_host_blocks)
-            self.pending_offloads.append((device_block, host_block))
+            self.pending_offloads[host_block] = device_block
             seq.block_table[i] = HOST_BASE + host_block
             self.ref_count[device_block] = 0
             self.free_blocks[device_block] = None
         return len(victims)
 
     def take_pending_offloads(self) -> list[tuple[int, int]]:
-        pending, self.pending_offloads = self.pending_offloads, []
-        return pending
+        """(device block, host block) pairs to copy before this step's first KV write."""
+        pending, self.pending_offloads = self.pending_offloads, {}
+        return [(device, host) for host, device in pending.items()]
 
     # ---- prefix cache registration -------------------------------------------------------
     def register_computed_blocks(self, seq: Sequence) -> None:

@@ -57,7 +57,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         self.backend = get_attention_backend(resolve_backend(config.attention_backend, self.device))
-        self.model = build_model(config.hf_config, self.backend, self.dtype, self.device, model_dir)
+        self.model = build_model(config.hf_config, self.backend, self.dtype, self.device, model_dir, config.seed)
         mc = self.model.config
         self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()

@@ -57,23 +57,25 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
 
 
 def build_model(
-    hf_config: dict, backend: AttentionBackend, dtype: torch.dtype, device: torch.device, model_dir: Path | None
+    hf_config: dict, backend: AttentionBackend, dtype: torch.dtype, device: torch.device, model_dir: Path | None,
+    seed: int = 0,
 ) -> nn.Module:
-    """Create the model without initialising weights, then load them (or randomise when model_dir is None)."""
+    """Create the model without initialising weights, then load them (or randomise from seed when model_dir is None)."""
     cls = model_class_for(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, backend)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     if model_dir is None:
-        init_random_weights(model)
+        init_random_weights(model, torch.Generator(device).manual_seed(seed))
     else:
         load_weights(model, model_dir)
     return model.eval()
 
 
-def init_random_weights(model: nn.Module, std: float = 0.02) -> None:
-    """Random weights for benchmarks of model shapes (norms at 1 so activations stay bounded)."""
+def init_random_weights(model: nn.Module, generator: torch.Generator, std: float = 0.02) -> None:
+    """Random weights for benchmarks of model shapes (norms at 1 so activations stay bounded); the same
+    generator seed gives the same weights, so two engines in one benchmark run the same model."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -81,4 +83,4 @@ def init_random_weights(model: nn.Module, std: float = 0.02) -> None:
             elif name.endswith("bias"):
                 param.zero_()
             else:
-                param.normal_(0.0, std)
+                param.normal_(0.0, std, generator=generator)
