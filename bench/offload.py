@@ -63,7 +63,7 @@ def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
     # Early requests must still be decoding when the last one gets its first token: a generous max_tokens,
     # and the requests are aborted after the measured steps.
     prefill_steps = -(-sum(map(len, prompts)) // llm.config.max_num_batched_tokens) + len(prompts)
-    params = SamplingParams(temperature=0, max_tokens=decode_steps + prefill_steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + prefill_steps + 4, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     started: set[str] = set()
     torch.cuda.synchronize()
@@ -72,6 +72,8 @@ def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
         started.update(o.request_id for o in llm.step())
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
+    for _ in range(2):  # untimed: the first decode steps of a new shape compile kernel variants
+        llm.step()
     offloader = llm.runner.offloader
     h2d0 = offloader.stats.h2d_bytes if offloader else 0
     copies0 = offloader.stats.h2d_copies if offloader else 0
