@@ -75,6 +75,19 @@ def test_offload_matches_device_only(tiny_llama, reference, monkeypatch, ring_bl
     assert_all_free(llm)
 
 
+def test_single_pass_is_bitwise_equal_to_device_only_with_the_same_schedule(tiny_llama, monkeypatch):
+    """When the step's KV fits one ring slot, attention runs once over device + host blocks in position
+    order: the very arithmetic of device-only mode (same chunks), so the logprobs are equal, not close."""
+    schedule = dict(kvcache_block_size=BS, max_num_batched_tokens=16, max_num_seqs=2, device="cpu")
+    want = generate(LLM(str(tiny_llama), num_gpu_blocks=256, **schedule), prompts())
+    llm = offload_llm(tiny_llama, 64, monkeypatch, num_gpu_blocks=8, **schedule)
+    got = generate(llm, prompts())
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.outputs[0].logprobs for g in got] == [w.outputs[0].logprobs for w in want]
+    assert llm.runner.offloader.stats.h2d_bytes > 0 and llm.scheduler.num_preemptions == 0
+    assert_all_free(llm)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("ring_blocks", [1, 32])
 def test_offload_matches_device_only_cuda(tiny_llama, monkeypatch, ring_blocks):
@@ -174,17 +187,18 @@ def test_smollm2_greedy_with_offload_cpu(smollm2_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [4096, 8192])
 def test_smollm2_greedy_with_offload_cuda(smollm2_path, length):
-    """bf16 on the GPU with copy streams: greedy tokens equal GPU-only at 4K and 8K with most KV on the host."""
+    """bf16 on the GPU with copy streams: greedy tokens equal GPU-only (eager, same chunk schedule) at 4K and
+    8K with most KV on the host; the step's KV fits one ring slot, so attention is the single-pass kind."""
     from nanovllm.eval.needle import essay_sentences
 
-    llm = LLM(str(smollm2_path), kvcache_block_size=256, num_gpu_blocks=64)
+    schedule = dict(kvcache_block_size=256, max_num_batched_tokens=1024, enforce_eager=True)
+    llm = LLM(str(smollm2_path), num_gpu_blocks=64, **schedule)
     essay = llm.tokenizer(" ".join(essay_sentences(3 * length))).input_ids
     batch = [essay[start : start + length - 64] for start in (0, length // 2, length)]
     params = SamplingParams(temperature=0, max_tokens=32)
     want = generate(llm, batch, params)
     del llm
-    off = LLM(str(smollm2_path), kvcache_block_size=256, num_gpu_blocks=12, enable_cpu_offload=True,
-              cpu_kv_cache_gb=1.0)
+    off = LLM(str(smollm2_path), num_gpu_blocks=12, enable_cpu_offload=True, cpu_kv_cache_gb=1.0, **schedule)
     got = generate(off, batch, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert off.runner.offloader.stats.h2d_bytes > 0

@@ -156,12 +156,14 @@ class ModelRunner:
                           slots: list[int], offloads: list[tuple[int, int]]) -> AttentionMetadata:
         """Device blocks in compacted tables for the causal part; host blocks in the step's OffloadStep.
         Host blocks are full and precede every new token, so dropping them keeps the causal mask right."""
-        device_tables = [[b for b in t if not is_host_block(b)] for t in tables]
-        host_tables = [[b - HOST_BASE for b in t if is_host_block(b)] for t in tables]
-        compact_lens = [n - len(h) * self.block_size for n, h in zip(seq_lens, host_tables)]
+        located = [[(True, b - HOST_BASE) if is_host_block(b) else (False, b) for b in t[: -(-n // self.block_size)]]
+                   for t, n in zip(tables, seq_lens)]
+        device_tables = [[b for on_host, b in t if not on_host] for t in located]
+        num_host = [sum(on_host for on_host, _ in t) for t in located]
+        compact_lens = [n - h * self.block_size for n, h in zip(seq_lens, num_host)]
         meta = self.backend.build_metadata(query_lens, compact_lens, device_tables, slots, self.block_size, self.device)
-        if offloads or any(host_tables):
-            meta.offload = self.offloader.plan_step(self.backend, query_lens, host_tables, offloads)
+        if offloads or any(num_host):
+            meta.offload = self.offloader.plan_step(self.backend, query_lens, seq_lens, located, offloads)
         return meta
 
     @torch.inference_mode()

@@ -25,7 +25,7 @@ import torch
 
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.kernels.reference import merge_attention_states
-from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, store_kv
 
 RING_SLOTS = 2
 RING_SLOT_BYTES = 256 * 2**20  # per slot; a 128-block slot of Llama-8B-shaped KV (1 MiB per block and layer)
@@ -59,6 +59,18 @@ class TransferStats:
     d2h_copies: int = 0
 
 
+@dataclass
+class SinglePass:
+    """When the step's whole KV (device and host blocks) fits in one ring slot: per layer, the device
+    blocks are gathered into the slot beside the host blocks, and the backend's ordinary attention runs
+    once over the slot with tables in position order, so the arithmetic is exactly that of device-only
+    mode with the same schedule (no split, no merge)."""
+
+    device_src: torch.Tensor  # int64 device block ids ...
+    device_dst: torch.Tensor  # ... and their ring positions
+    meta: AttentionMetadata  # over the ring slot: real seq_lens, tables into the slot, ring slots of new tokens
+
+
 class KVOffloader:
     """The pinned host pool [2, layers, host blocks, block_size, Hk, D], the GPU ring and the copy streams."""
 
@@ -84,13 +96,35 @@ class KVOffloader:
     def block_bytes_per_layer(self) -> int:
         return self.host[:, 0, 0].numel() * self.host.element_size()
 
-    def plan_step(self, backend: AttentionBackend, query_lens: list[int], host_tables: list[list[int]],
-                  offloads: list[tuple[int, int]]) -> OffloadStep:
-        """host_tables: per sequence, its host block ids; offloads: (device, host) blocks to copy out first."""
-        pieces = [HistoryPiece(runs, backend.build_metadata(query_lens, [len(t) * self.block_size for t in tables],
-                                                            tables, [], self.block_size, self.device))
-                  for runs, tables in self._pack(host_tables)]
-        return OffloadStep(self, pieces, consecutive_runs(sorted(offloads)))
+    def plan_step(self, backend: AttentionBackend, query_lens: list[int], seq_lens: list[int],
+                  tables: list[list[tuple[bool, int]]], offloads: list[tuple[int, int]]) -> OffloadStep:
+        """tables: per sequence, its blocks in position order as (on host, id); offloads: (device, host)
+        blocks to copy out before any KV write."""
+        offload_runs = consecutive_runs(sorted(offloads))
+        if sum(map(len, tables)) <= self.ring_blocks:
+            return self._plan_single_pass(backend, query_lens, seq_lens, tables, offload_runs)
+        host_tables = [[b for on_host, b in t if on_host] for t in tables]
+        pieces = [HistoryPiece(runs, backend.build_metadata(query_lens, [len(t) * self.block_size for t in piece],
+                                                            piece, [], self.block_size, self.device))
+                  for runs, piece in self._pack(host_tables)]
+        return OffloadStep(self, pieces, offload_runs)
+
+    def _plan_single_pass(self, backend: AttentionBackend, query_lens: list[int], seq_lens: list[int],
+                          tables: list[list[tuple[bool, int]]], offload_runs: list[tuple[int, int, int]]) -> OffloadStep:
+        bs = self.block_size
+        ring_tables, host_pairs, device_src, device_dst, slots = [], [], [], [], []
+        position = 0
+        for table, n, seq_len in zip(tables, query_lens, seq_lens):
+            ring_tables.append(list(range(position, position + len(table))))
+            for i, (on_host, block) in enumerate(table):
+                (host_pairs.append((block, position + i)) if on_host else
+                 (device_src.append(block), device_dst.append(position + i)))
+            slots.extend(ring_tables[-1][p // bs] * bs + p % bs for p in range(seq_len - n, seq_len))
+            position += len(table)
+        as_index = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        meta = backend.build_metadata(query_lens, seq_lens, ring_tables, slots, bs, self.device)
+        single = SinglePass(as_index(device_src), as_index(device_dst), meta)
+        return OffloadStep(self, [HistoryPiece(consecutive_runs(host_pairs), meta)], offload_runs, single)
 
     def _pack(self, host_tables: list[list[int]]) -> list[tuple[list[tuple[int, int, int]], list[list[int]]]]:
         """Fill ring slots with each sequence's host blocks (runs of consecutive ids kept together)."""
@@ -116,9 +150,11 @@ class KVOffloader:
 class OffloadStep:
     """One step's copies and split attention; `attention` is called by every layer, in order."""
 
-    def __init__(self, offloader: KVOffloader, pieces: list[HistoryPiece], offload_runs: list[tuple[int, int, int]]):
+    def __init__(self, offloader: KVOffloader, pieces: list[HistoryPiece], offload_runs: list[tuple[int, int, int]],
+                 single: SinglePass | None = None):
         self.o = offloader
         self.pieces = pieces
+        self.single = single
         self.offload_runs = offload_runs
         self.cuda = offloader.h2d_stream is not None
         self.d2h_done: list[torch.cuda.Event] = []
@@ -195,6 +231,8 @@ class OffloadStep:
         compute = torch.cuda.current_stream(self.o.device) if self.cuda else None
         if self.d2h_done:
             compute.wait_event(self.d2h_done[layer])  # reused device blocks must be copied out first
+        if self.single is not None:
+            return self._single_pass(layer, backend, q, k, v, k_cache, v_cache, meta, scale, compute)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         backend.forward_with_lse(q, k, v, k_cache, v_cache, meta, scale, out=(out, lse))
@@ -213,3 +251,22 @@ class OffloadStep:
                 self._fill(unit + RING_SLOTS)
             out, lse = merge_attention_states(out, lse, *part)
         return out.to(q.dtype)
+
+    def _single_pass(self, layer: int, backend: AttentionBackend, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
+                     scale: float, compute) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # the device cache keeps the new KV
+        slot = layer % RING_SLOTS
+        ring_k, ring_v = self.o.ring[0, slot], self.o.ring[1, slot]
+        if self.single.device_src.numel():
+            ring_k.index_copy_(0, self.single.device_dst, k_cache.index_select(0, self.single.device_src))
+            ring_v.index_copy_(0, self.single.device_dst, v_cache.index_select(0, self.single.device_src))
+        if self.cuda:
+            compute.wait_event(self.copied.pop(layer))
+        out = backend.forward(q, k, v, ring_k, ring_v, self.single.meta, scale)  # stores k, v again, in the ring
+        if self.cuda:
+            freed = torch.cuda.Event()
+            freed.record(compute)
+            self.slot_free[slot] = freed
+        if layer + RING_SLOTS < self.num_units:
+            self._fill(layer + RING_SLOTS)
+        return out
