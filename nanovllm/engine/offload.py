@@ -243,12 +243,7 @@ class OffloadStep:
                 compute.wait_event(self.copied.pop(unit))
             part = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
             backend.history_attention(q, self.o.ring[0, slot], self.o.ring[1, slot], piece.meta, scale, part)
-            if self.cuda:
-                freed = torch.cuda.Event()
-                freed.record(compute)
-                self.slot_free[slot] = freed
-            if unit + RING_SLOTS < self.num_units:
-                self._fill(unit + RING_SLOTS)
+            self._release(unit, compute)
             out, lse = merge_attention_states(out, lse, *part)
         return out.to(q.dtype)
 
@@ -263,10 +258,15 @@ class OffloadStep:
         if self.cuda:
             compute.wait_event(self.copied.pop(layer))
         out = backend.forward(q, k, v, ring_k, ring_v, self.single.meta, scale)  # stores k, v again, in the ring
+        self._release(layer, compute)
+        return out
+
+    def _release(self, unit: int, compute) -> None:
+        """The compute stream is done with unit's ring slot once its queued work so far has run:
+        refill the slot with the unit RING_SLOTS ahead."""
         if self.cuda:
             freed = torch.cuda.Event()
             freed.record(compute)
-            self.slot_free[slot] = freed
-        if layer + RING_SLOTS < self.num_units:
-            self._fill(layer + RING_SLOTS)
-        return out
+            self.slot_free[unit % RING_SLOTS] = freed
+        if unit + RING_SLOTS < self.num_units:
+            self._fill(unit + RING_SLOTS)
