@@ -4,7 +4,9 @@ Every step gets a token budget (max_num_batched_tokens). Running sequences are s
 arrival order: a decode costs one token, an unfinished prefill takes the next chunk that fits.
 Waiting sequences are then admitted while budget, sequence slots and KV blocks last. When a running
 sequence needs a block and none is free, the most recently admitted running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue to be recomputed later.
+its blocks are freed and it goes back to the front of the queue to be recomputed later. With a host
+(CPU offload) pool, computed device blocks move to the host first and a chunk may shrink to the room
+left; preemption happens only when the host pool is full as well.
 """
 from __future__ import annotations
 
