@@ -23,7 +23,7 @@ _HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "cpu_kv_cache_gb": "GiB of host memory for KV: the pinned offload pool, or the whole pool on a CPU device",
     "enable_cpu_offload": "keep KV blocks beyond the device pool in pinned host memory, streamed back per layer",
-    "enable_prefix_caching": "reuse KV of shared prompt prefixes (default: on, off with CPU offload)",
+    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "enforce_eager": "disable CUDA graphs",
     "tensor_parallel_size": "GPUs per model (only 1 for now)",
     "dtype": "auto, float32, float16 or bfloat16",

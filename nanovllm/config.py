@@ -24,7 +24,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0  # KV in host RAM: the offload pool (pinned), or the whole pool on a CPU device
     enable_cpu_offload: bool = False  # blocks beyond the device pool live in host memory and are streamed back
-    enable_prefix_caching: bool | None = None  # None: on, except with CPU offload (not combined yet)
+    enable_prefix_caching: bool = True
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     dtype: str = "auto"
@@ -65,10 +65,6 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.enable_prefix_caching is None:
-            object.__setattr__(self, "enable_prefix_caching", not self.enable_cpu_offload)
-        elif self.enable_prefix_caching and self.enable_cpu_offload:
-            raise ValueError("enable_prefix_caching=True cannot be combined with enable_cpu_offload=True yet")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         model_limit = self.model_max_position

@@ -165,9 +165,15 @@ def test_blocks_really_move_to_the_host(tiny_llama):
     assert_all_free(llm)
 
 
-def test_prefix_caching_with_offload_is_refused(tiny_llama):
-    with pytest.raises(ValueError, match="enable_prefix_caching=True cannot be combined"):
-        offload_llm(tiny_llama, enable_prefix_caching=True)
+def test_prefix_caching_with_offload(tiny_llama, reference):
+    """A second pass over the same prompts hits the cache for blocks still on the device; same outputs."""
+    llm = offload_llm(tiny_llama, num_gpu_blocks=24, enable_prefix_caching=True)
+    assert_same(generate(llm, prompts()), reference)
+    again = generate(llm, prompts())
+    assert_same(again, reference)
+    assert sum(o.metrics.num_cached_tokens for o in again) >= BS
+    assert llm.runner.offloader.stats.d2h_bytes > 0
+    assert_all_free(llm)
 
 
 @pytest.mark.slow

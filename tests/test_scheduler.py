@@ -277,13 +277,15 @@ def test_random_operations_tight_pool_with_prefix_caching(num_blocks, max_num_ba
     max_num_batched_tokens=st.integers(1, 64),
     max_num_seqs=st.integers(1, 8),
     max_model_len=st.integers(2, 320),
+    enable_prefix_caching=st.booleans(),
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
 def test_random_operations_with_a_host_pool(num_blocks, num_host_blocks, max_num_batched_tokens, max_num_seqs,
-                                            max_model_len, seed, data):
-    """CPU offload: tiny device pools force blocks to the host and back; host exhaustion preempts."""
-    sim = Sim(num_blocks, max_num_batched_tokens, max_num_seqs, max_model_len, False, seed,
+                                            max_model_len, enable_prefix_caching, seed, data):
+    """CPU offload: tiny device pools force blocks to the host and back; host exhaustion preempts; prefix
+    hits (device blocks only) mix with blocks moving out."""
+    sim = Sim(num_blocks, max_num_batched_tokens, max_num_seqs, max_model_len, enable_prefix_caching, seed,
               num_host_blocks=num_host_blocks)
     run_random_operations(sim, data)
 
@@ -295,6 +297,16 @@ def test_offload_moves_blocks_to_the_host_instead_of_preempting():
         sim.add([1] * n, max_tokens=20)
     sim.drain()
     assert sim.num_offloaded > 10 and sim.sched.num_preemptions == 0
+
+
+def test_prefix_hits_and_offload_in_one_run():
+    sim = Sim(num_blocks=16, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=400,
+              enable_prefix_caching=True, num_host_blocks=40)
+    shared = [1, 2] * 40  # five full blocks
+    for tail in ([0] * 90, [2] * 5, [1] * 60, [0, 1] * 3):
+        sim.add(shared + tail, max_tokens=15)
+    sim.drain()
+    assert sim.num_offloaded > 5 and sim.num_cache_hit_tokens >= 2 * BS
 
 
 def test_full_host_pool_preempts_and_resumes():

@@ -8,7 +8,8 @@ With CPU offload, a second pool of blocks lives in host memory. Block-table entr
 host blocks (HOST_BASE + host id). New KV is always written to device blocks; when the device pool
 runs short, full, already computed device blocks move to the host (`offload_blocks`): their device
 ids are free at once, and the (device, host) pairs wait in `pending_offloads` for the model runner,
-which copies them before anything is written into the reused device blocks.
+which copies them before anything is written into the reused device blocks. The prefix cache covers
+device blocks only: a shared block never moves, and a block that moves leaves the cache.
 """
 from __future__ import annotations
 
@@ -39,8 +40,6 @@ def chain_hash(token_ids: list[int], prev_hash: int) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0):
-        if num_host_blocks and enable_prefix_caching:
-            raise ValueError("prefix caching is not combined with a host (offload) pool yet")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -153,7 +152,8 @@ class BlockManager:
             for i in range(full - 1, -1, -1):
                 if len(victims) == num_blocks:
                     break
-                if not is_host_block(seq.block_table[i]):
+                block = seq.block_table[i]
+                if not is_host_block(block) and self.ref_count[block] == 1:  # shared prefix blocks stay
                     victims.append((seq, i))
         victims.sort(key=lambda v: (v[0].seq_id, v[1]))  # ascending host ids along each sequence: long copy runs
         for seq, i in victims:
@@ -162,6 +162,7 @@ class BlockManager:
             self.pending_offloads[host_block] = device_block
             seq.block_table[i] = HOST_BASE + host_block
             self.ref_count[device_block] = 0
+            self._forget_hash(device_block)  # its KV is no longer on the device to be shared
             self.free_blocks[device_block] = None
         return len(victims)
 
@@ -182,7 +183,7 @@ class BlockManager:
             h = chain_hash(tokens, hashes[-1] if hashes else NO_HASH)
             hashes.append(h)
             block_id = seq.block_table[i]
-            if self.block_hash[block_id] == NO_HASH:
+            if not is_host_block(block_id) and self.block_hash[block_id] == NO_HASH:
                 self.block_hash[block_id] = h
                 self.block_token_ids[block_id] = tuple(tokens)
                 self.hash_to_block.setdefault(h, block_id)

@@ -69,8 +69,10 @@ class Scheduler:
             prefix = [] if wants_prompt_logprobs else self.block_manager.match_prefix(seq.token_ids)
             cached = len(prefix) * self.block_manager.block_size
             n = min(len(seq) - cached, budget)
-            if self.block_manager.num_host_blocks:
-                n = self._make_room(None, n)
+            if self.block_manager.num_host_blocks and not self.block_manager.can_admit(prefix, cached + n):
+                # Making room moves blocks out, which may be the very prefix blocks: start cold instead.
+                prefix, cached = [], 0
+                n = self._make_room(None, min(len(seq), budget))
             if n == 0 or not self.block_manager.can_admit(prefix, cached + n):
                 break
             self.block_manager.admit(seq, prefix, cached + n)
