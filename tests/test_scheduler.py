@@ -93,6 +93,9 @@ class Sim:
         was_waiting = {s.seq_id for s in sched.waiting}
         scheduled = sched.schedule()
         self.steps += 1
+        for device_block, host_block in bm.take_pending_offloads():  # the runner copies these before any read
+            self.host_kv[host_block] = list(self.kv[device_block])
+            self.num_offloaded += 1
         if pending:
             assert scheduled, "stall: requests pending but nothing scheduled"
         else:
@@ -118,9 +121,6 @@ class Sim:
                 self.num_cache_hit_tokens += seq.num_cached_tokens
                 self.verify_kv(seq, seq.num_computed_tokens)
         self.check(after_schedule=True)
-        for device_block, host_block in bm.take_pending_offloads():  # the runner copies these out first
-            self.host_kv[host_block] = list(self.kv[device_block])
-            self.num_offloaded += 1
 
         samples = [item.samples for item in scheduled]  # read before mark_computed, as the runner does
         for item in scheduled:  # the "model" writes KV for the new tokens
