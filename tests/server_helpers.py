@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from nanovllm.server.metrics import parse_metrics
-from nanovllm.serving_bench import free_port
+from nanovllm.serving_bench import free_port, wait_healthy
 
 # Small enough for a 2-core CPU: fp32, 16-token blocks, a bounded KV pool and context.
 SMALL_ENGINE = ["--dtype", "float32", "--kvcache-block-size", "16", "--max-model-len", "256",
@@ -30,17 +30,10 @@ class ServerProcess:
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("the server did not become healthy")
+        try:
+            wait_healthy(self.url, self.proc, timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"{e}; server log:\n{self.log_path.read_text()[-3000:]}") from e
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
