@@ -13,6 +13,7 @@ from nanovllm.engine import offload
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
+from nanovllm.layers.fused_ops import get_layer_ops
 from nanovllm.layers.sampler import SamplerOutput, logprob_entries, sample
 from nanovllm.models.loader import build_model
 
@@ -57,7 +58,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         self.backend = get_attention_backend(resolve_backend(config.attention_backend, self.device))
-        self.model = build_model(config.hf_config, self.backend, self.dtype, self.device, model_dir, config.seed)
+        layer_ops = get_layer_ops("triton" if self.backend.name == "triton" else "torch")
+        self.model = build_model(config.hf_config, self.backend, self.dtype, self.device, model_dir, config.seed,
+                                 layer_ops)
         mc = self.model.config
         self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()

@@ -2,18 +2,21 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from nanovllm.layers.fused_ops import LayerOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: LayerOps | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = ops or LayerOps()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 with torch's fused kernel, cast back, then scale: HF Llama's order.
-        # (Scaling before the cast, as F.rms_norm on half inputs does, changes SmolLM2's bf16 answers.)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

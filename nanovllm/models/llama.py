@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.fused_ops import LayerOps
 from nanovllm.layers.norm import RMSNorm
-from nanovllm.layers.rotary import RotaryEmbedding, apply_rotary
+from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.registry import register_model
 
 
@@ -65,7 +65,7 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int, ops: LayerOps):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -74,10 +74,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
-        self.backend = backend
+        self.eps = cfg.rms_norm_eps
+        self.backend, self.ops = backend, ops
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, rope, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -85,9 +86,8 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        norm_weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps)
         if meta.offload is not None:  # part of the KV is in host memory
             out = meta.offload.attention(self.layer_idx, self.backend, q, k, v, k_cache, v_cache, meta, self.scale)
         else:
@@ -96,52 +96,60 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, ops: LayerOps):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int, ops: LayerOps):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, layer_idx)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, layer_idx, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, rope, x, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope, x, residual, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (None: first layer).
+        Returns this layer's MLP output and the residual stream before it; the next norm adds them."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, h, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            x = layer(rope, x, k_cache, v_cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, k_cache, v_cache, meta)
+        return self.norm(x, residual)[0]
 
 
 @register_model("LlamaForCausalLM")
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config: dict, backend: AttentionBackend):
+    def __init__(self, hf_config: dict, backend: AttentionBackend, ops: LayerOps | None = None):
         super().__init__()
         self.config = cfg = self.parse_config(hf_config)
-        self.model = DecoderModel(cfg, backend)
+        self.model = DecoderModel(cfg, backend, ops or LayerOps())
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 

@@ -1,0 +1,148 @@
+"""Triton kernels that fuse the elementwise parts of a decoder layer, one launch each instead of 4-10
+small PyTorch kernels (at batch 1 a launch costs more than its work).
+
+Numerics follow `nanovllm.layers.fused_ops.LayerOps` (the reference they are tested against), which
+follows HF: every intermediate that PyTorch would round to the activation dtype is rounded here too
+(`_round`), so the results differ from the reference only by float32 reduction order and exp/rsqrt
+approximations. Launches pass enable_fp_fusion=False: otherwise Triton contracts a rounded product and
+the following add into one FMA, skipping the rounding (measured: a quarter of bf16 RoPE outputs off by
+an ulp, enough to change SmolLM2's bf16 answers).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Round a float32 value to the activation dtype and back, as a PyTorch op in that dtype would."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, eps,
+    stride_x, stride_r, stride_o, stride_ro,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + r, dtype)
+        tl.store(res_out_ptr + row * stride_ro + offs, x.to(dtype), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * _round(x * inv_rms, dtype)).to(dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of a 2-D x. With residual: (norm(x + residual), x + residual)."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(rows,)](
+        x, res, out, res_out, weight, cols, eps, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=_warps(cols),
+        enable_fp_fusion=False,
+    )
+    return (out, res_out) if residual is not None else out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * stride_o + offs, (silu * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim of a 2-D tensor."""
+    rows, cols = gate_up.shape
+    half = cols // 2
+    out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(half))
+    _silu_and_mul_kernel[(rows, triton.cdiv(half, block))](gate_up, out, half, gate_up.stride(0), out.stride(0),
+                                                          BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _norm_rope_head(src, dst, w_ptr, cos_ptr, sin_ptr, eps, dtype: tl.constexpr, HAS_NORM: tl.constexpr,
+                    HALF: tl.constexpr):
+    """One head vector: optional RMSNorm (weight w), then rotate-half RoPE with this token's cos/sin."""
+    offs = tl.arange(0, HALF)
+    x1 = tl.load(src + offs).to(tl.float32)
+    x2 = tl.load(src + HALF + offs).to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        x1 = _round(tl.load(w_ptr + offs).to(tl.float32) * _round(x1 * inv_rms, dtype), dtype)
+        x2 = _round(tl.load(w_ptr + HALF + offs).to(tl.float32) * _round(x2 * inv_rms, dtype), dtype)
+    c1 = tl.load(cos_ptr + offs).to(tl.float32)
+    c2 = tl.load(cos_ptr + HALF + offs).to(tl.float32)
+    s1 = tl.load(sin_ptr + offs).to(tl.float32)
+    s2 = tl.load(sin_ptr + HALF + offs).to(tl.float32)
+    tl.store(dst + offs, (_round(x1 * c1, dtype) - _round(x2 * s1, dtype)).to(dtype))
+    tl.store(dst + HALF + offs, (_round(x2 * c2, dtype) + _round(x1 * s2, dtype)).to(dtype))
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dtype = q_out_ptr.dtype.element_ty
+    cos = cos_ptr + token * stride_cos
+    sin = sin_ptr + token * stride_sin
+    if head < NUM_Q_HEADS:
+        _norm_rope_head(q_ptr + token * stride_qt + head * stride_qh,
+                        q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM,
+                        qw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2)
+    else:
+        kh = head - NUM_Q_HEADS
+        _norm_rope_head(k_ptr + token * stride_kt + kh * stride_kh,
+                        k_out_ptr + (token * NUM_K_HEADS + kh) * HEAD_DIM,
+                        kw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D] (views with unit last stride); cos, sin [T, 1, D]. Optional per-head
+    RMSNorm (both weights or neither), then RoPE. Returns new contiguous q and k."""
+    tokens, num_q, head_dim = q.shape
+    num_k = k.shape[1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("qk_norm_rope needs a unit stride along head_dim")
+    q_out = torch.empty(tokens, num_q, head_dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, num_k, head_dim, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    has_norm = q_weight is not None
+    qw = q_weight if has_norm else q
+    kw = k_weight if has_norm else k
+    _qk_norm_rope_kernel[(tokens, num_q + num_k)](
+        q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), sin.stride(0), NUM_Q_HEADS=num_q, NUM_K_HEADS=num_k, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        num_warps=1, enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+def _warps(cols: int) -> int:
+    return 1 if cols <= 512 else 4 if cols <= 4096 else 8

@@ -1,0 +1,78 @@
+"""The elementwise parts of a decoder layer (RMSNorm with the residual add, SiLU * up, q/k norm + RoPE),
+as a swappable set of ops.
+
+`LayerOps` is pure PyTorch with HF's numerics and runs anywhere: it is the reference. `TritonLayerOps`
+computes the same in one fused Triton launch per op (nanovllm/kernels/triton_fused.py). A model gets
+one instance at construction; the runner picks Triton ops together with the Triton attention backend.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in float32 with torch's fused kernel, cast back, then scale: HF Llama's order.
+        # (Scaling before the cast, as F.rms_norm on half inputs does, changes SmolLM2's bf16 answers.)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+        return weight * normed.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual): the residual stream's update and the next norm."""
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D]: optional per-head RMSNorm, then rotate-half RoPE (cos, sin [T, 1, D])."""
+        if q_weight is not None:
+            q, k = self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TritonLayerOps(LayerOps):
+    """Fused Triton kernels for 2-D activations on a GPU (or the Triton interpreter)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from nanovllm.kernels import triton_fused
+
+        self.kernels = triton_fused
+
+    def rms_norm(self, x, weight, eps):
+        if x.dim() != 2:  # per-head norms outside qk_norm_rope
+            return super().rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self.kernels.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, gate_up):
+        return self.kernels.silu_and_mul(gate_up)
+
+    def qk_norm_rope(self, q, k, cos, sin, q_weight, k_weight, eps):
+        return self.kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+
+
+_LAYER_OPS = {"torch": LayerOps, "triton": TritonLayerOps}
+
+
+def get_layer_ops(name: str) -> LayerOps:
+    if name not in _LAYER_OPS:
+        raise ValueError(f"unknown layer ops {name!r}; available: {sorted(_LAYER_OPS)}")
+    return _LAYER_OPS[name]()

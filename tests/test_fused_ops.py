@@ -1,0 +1,123 @@
+"""Fused Triton layer ops against the PyTorch reference (LayerOps), every output element.
+
+Without CUDA the kernels run in Triton's CPU interpreter at small sizes; on CUDA also in bf16/fp16 at
+the model shapes of the benchmarks. Inputs are fresh random tensors with a spread of magnitudes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest
+
+from nanovllm.layers.fused_ops import LayerOps, get_layer_ops
+from nanovllm.layers.rotary import RotaryEmbedding
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if CUDA else [torch.float32]
+# Differences come from reduction order and exp/rsqrt approximations, then at most one rounding step.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+@pytest.fixture(scope="module")
+def triton_ops():
+    pytest.importorskip("triton")
+    return get_layer_ops("triton")
+
+
+def rand(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 96), (3, 1024)])
+def test_rms_norm_and_residual_add(triton_ops, dtype, rows, cols):
+    ref = LayerOps()
+    x = rand(rows, cols, dtype=dtype, seed=1, scale=3.0)
+    residual = rand(rows, cols, dtype=dtype, seed=2)
+    weight = (rand(cols, dtype=torch.float32, seed=3) * 0.5 + 1.0).to(dtype)
+    torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6), **TOL[dtype])
+    got_norm, got_sum = triton_ops.add_rms_norm(x, residual, weight, 1e-6)
+    want_norm, want_sum = ref.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(got_sum, want_sum)  # one rounded add: exact
+    torch.testing.assert_close(got_norm, want_norm, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (4, 2 * 1500)])
+def test_silu_and_mul(triton_ops, dtype, rows, cols):
+    gate_up = rand(rows, cols, dtype=dtype, seed=4, scale=4.0)
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), LayerOps().silu_and_mul(gate_up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 64)])
+def test_qk_norm_rope_from_packed_qkv(triton_ops, dtype, qk_norm, heads, kv_heads, head_dim):
+    """q and k are strided views into one qkv projection output, as in the model."""
+    tokens = 7
+    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=5, scale=2.0)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.unflatten(-1, (heads, head_dim)), k.unflatten(-1, (kv_heads, head_dim))
+    positions = torch.tensor([0, 1, 5, 17, 100, 1000, 4095], device=DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None).cos_sin(positions, dtype)
+    weights = [(rand(head_dim, dtype=torch.float32, seed=s) * 0.3 + 1.0).to(dtype) for s in (6, 7)] if qk_norm \
+        else [None, None]
+    got = triton_ops.qk_norm_rope(q, k, cos, sin, *weights, 1e-6)
+    want = LayerOps().qk_norm_rope(q, k, cos, sin, *weights, 1e-6)
+    for g, w in zip(got, want):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g, w, **TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden,inter,heads,kv_heads", [(1024, 3072, 16, 8), (4096, 14336, 32, 8)])
+def test_fused_ops_at_model_sizes_cuda(triton_ops, hidden, inter, heads, kv_heads):
+    dtype, tokens, head_dim = torch.bfloat16, 300, 128
+    ref = LayerOps()
+    x, residual = rand(tokens, hidden, dtype=dtype, seed=8), rand(tokens, hidden, dtype=dtype, seed=9)
+    weight = (rand(hidden, dtype=torch.float32, seed=10) * 0.2 + 1).to(dtype)
+    for g, w in zip(triton_ops.add_rms_norm(x, residual, weight, 1e-6), ref.add_rms_norm(x, residual, weight, 1e-6)):
+        torch.testing.assert_close(g, w, **TOL[dtype])
+    gate_up = rand(tokens, 2 * inter, dtype=dtype, seed=11, scale=3)
+    torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), **TOL[dtype])
+    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=12)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.unflatten(-1, (heads, head_dim)), k.unflatten(-1, (kv_heads, head_dim))
+    cos, sin = RotaryEmbedding(head_dim, 1e6, None).cos_sin(torch.arange(tokens, device=DEVICE) * 97, dtype)
+    weights = (rand(head_dim, dtype=dtype, seed=13), rand(head_dim, dtype=dtype, seed=14))
+    for g, w in zip(triton_ops.qk_norm_rope(q, k, cos, sin, *weights, 1e-6),
+                    ref.qk_norm_rope(q, k, cos, sin, *weights, 1e-6)):
+        torch.testing.assert_close(g, w, **TOL[dtype])
+
+
+@pytest.mark.cuda
+def test_fused_ops_round_like_pytorch_in_bf16_cuda(triton_ops):
+    """Rounding of every intermediate as PyTorch does (nearest-even at the same points): apart from
+    float32 reduction-order effects, the results are bitwise those of the reference."""
+    dtype, ref = torch.bfloat16, LayerOps()
+    x, residual = rand(256, 576, dtype=dtype, seed=15, scale=4), rand(256, 576, dtype=dtype, seed=16, scale=4)
+    weight = (rand(576, dtype=torch.float32, seed=17) * 0.3 + 1).to(dtype)
+    gate_up = rand(256, 2 * 1536, dtype=dtype, seed=18, scale=4)
+    qkv = rand(256, 15 * 64, dtype=dtype, seed=19, scale=2)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.unflatten(-1, (9, 64)), k.unflatten(-1, (3, 64))
+    cos, sin = RotaryEmbedding(64, 1e4, None).cos_sin(torch.arange(256, device=DEVICE) * 31, dtype)
+    pairs = [(triton_ops.add_rms_norm(x, residual, weight, 1e-5)[0], ref.add_rms_norm(x, residual, weight, 1e-5)[0]),
+             (triton_ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up)),
+             (triton_ops.qk_norm_rope(q, k, cos, sin, None, None, 1e-5)[0],
+              ref.qk_norm_rope(q, k, cos, sin, None, None, 1e-5)[0])]
+    for got, want in pairs:
+        assert (got == want).float().mean().item() > 0.99
+
+
+def test_unknown_layer_ops_name_is_refused():
+    with pytest.raises(ValueError, match="available"):
+        get_layer_ops("cuda-magic")
