@@ -42,7 +42,7 @@ class LLM(LLMEngine):
         bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         with bar:
             while len(finished) < len(request_ids):
-                for out in self.step():
+                for out in self._step(final_only=True):
                     if out.finished and out.request_id in request_ids:
                         finished[out.request_id] = out
                         bar.update(1)

@@ -6,6 +6,7 @@ Per-step inputs are copied into static tensors; nothing on the replay path waits
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,11 +25,15 @@ class DecodeGraphs:
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.buckets = batch_buckets(max_batch)
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int64, device=device)
+        # Per row: token id, position, KV slot, then the block table. One pinned staging copy on the host,
+        # filled in place each step, and one host-to-device copy of the rows in use.
+        self.staging = torch.empty(n, 3 + max_blocks_per_seq, dtype=torch.int64, pin_memory=True)
+        self.rows = torch.empty(n, 3 + max_blocks_per_seq, dtype=torch.int64, device=device)
+        self._fill_padding(self.staging.numpy(), 0, n)
+        self.rows.copy_(self.staging)
+        self.input_ids, self.positions, self.slot_mapping = self.rows[:, 0], self.rows[:, 1], self.rows[:, 2]
+        self.block_tables = self.rows[:, 3:]
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # positions + 1, computed in the graph
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -42,6 +47,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
+        self.seq_lens[:bs].copy_(self.positions[:bs] + 1)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache, self._metadata(bs))
         return self.model.compute_logits(hidden)
 
@@ -61,24 +67,22 @@ class DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
+    def _fill_padding(self, rows: np.ndarray, start: int, end: int) -> None:
+        """Rows [start, end): token 0 at position 0 writing to the scratch block; tables all scratch."""
+        rows[start:end, :2] = 0
+        rows[start:end, 2] = self.scratch_block * self.block_size
+        rows[start:end, 3:] = self.scratch_block
+
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Replay the decode graph for len(token_ids) sequences; returns their logits [B, vocab]."""
         b = len(token_ids)
         bs = next(size for size in self.buckets if size >= b)
-        width = self.block_tables.shape[1]
-        pad = bs - b
-        padded = [t + [self.scratch_block] * (width - len(t)) for t in block_tables]
-        tables = torch.tensor(padded + [[self.scratch_block] * width] * pad, dtype=torch.int64)
-        host = {
-            "ids": torch.tensor(token_ids + [0] * pad, dtype=torch.int64),
-            "pos": torch.tensor(positions + [0] * pad, dtype=torch.int64),
-            "slots": torch.tensor(slots + [self.scratch_block * self.block_size] * pad, dtype=torch.int64),
-            "lens": torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32),
-        }
-        self.input_ids[:bs].copy_(host["ids"].pin_memory(), non_blocking=True)
-        self.positions[:bs].copy_(host["pos"].pin_memory(), non_blocking=True)
-        self.slot_mapping[:bs].copy_(host["slots"].pin_memory(), non_blocking=True)
-        self.seq_lens[:bs].copy_(host["lens"].pin_memory(), non_blocking=True)
-        self.block_tables[:bs].copy_(tables.pin_memory(), non_blocking=True)
+        rows = self.staging.numpy()
+        rows[:b, 0], rows[:b, 1], rows[:b, 2] = token_ids, positions, slots
+        rows[:b, 3:] = self.scratch_block
+        for row, table in zip(rows, block_tables):
+            row[3 : 3 + len(table)] = table
+        self._fill_padding(rows, b, bs)  # rows left from a larger batch must not write real KV slots
+        self.rows[:bs].copy_(self.staging[:bs], non_blocking=True)
         self.graphs[bs].replay()
         return self.logits[bs][:b]

@@ -35,6 +35,7 @@ class _Request:
     request_id: str
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
+    prompt_token_ids: list[int]  # one list shared by every output of the request
     stop_text_end: int | None = None  # where a matched stop string begins in the output text
 
 
@@ -53,6 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
         self.requests: dict[str, _Request] = {}
+        self._by_seq_id: dict[int, _Request] = {}
         self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------------
@@ -94,13 +96,16 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, prompt if isinstance(prompt, str) else None)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
-        self.requests[request_id] = _Request(request_id, seq, detok)
+        req = _Request(request_id, seq, detok, list(token_ids))
+        self.requests[request_id] = req
+        self._by_seq_id[seq.seq_id] = req
         self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None:
+            del self._by_seq_id[req.seq.seq_id]
             self.scheduler.finish(req.seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -115,6 +120,11 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and return the requests that got a new token."""
+        return self._step(final_only=False)
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
+        """step(); final_only returns only finished requests (offline generate), which saves building
+        an output per running request per step."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_unfinished():
@@ -122,17 +132,14 @@ class LLMEngine:
             return []
         sampled = self.runner.run(scheduled, self.block_manager.take_pending_offloads())
         self.scheduler.mark_computed(scheduled)
-        by_seq = {r.seq.seq_id: r for r in self.requests.values()}
         outputs = []
-        for item in scheduled:
-            if item.seq.seq_id not in sampled:
-                continue
-            req = by_seq[item.seq.seq_id]
-            token, logprobs = sampled[item.seq.seq_id]
+        for seq_id, (token, logprobs) in sampled.items():
+            req = self._by_seq_id[seq_id]
             self._append(req, token, logprobs)
-            outputs.append(self._output(req))
+            if not final_only or req.seq.is_finished:
+                outputs.append(self._output(req))
             if req.seq.is_finished:
-                del self.requests[req.request_id]
+                del self.requests[req.request_id], self._by_seq_id[seq_id]
         return outputs
 
     def _append(self, req: _Request, token: int, logprobs: dict[int, float] | None) -> None:
@@ -175,7 +182,7 @@ class LLMEngine:
         completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason,
                                       list(seq.logprobs) if seq.params.logprobs is not None else None)
         prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics,
+        return RequestOutput(req.request_id, seq.prompt, req.prompt_token_ids, [completion], seq.is_finished, metrics,
                              prompt_logprobs)
 
 

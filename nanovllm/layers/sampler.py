@@ -1,8 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Sampling draws exponential noise E and takes argmax(p / E), which picks token i with probability
-p_i; the noise of a seeded request comes from its own generator, so its tokens do not depend on
-what else is in the batch.
+p_i; it is computed as argmax(scores - log E) on the filtered, temperature-scaled logits, which is the
+same argmax without a softmax pass. The noise of a seeded request comes from its own generator, so
+its tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     if any(t != 1.0 for t in temps):
         logits = logits / torch.tensor(temps, device=device)[:, None]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         drop = rank >= top_k[:, None]
@@ -55,12 +56,12 @@ def sample(
     tokens = logits.argmax(dim=-1)
     if not all(p.greedy for p in params):
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        probs = filter_logits(logits, params).softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=default_generator)
+        scores = filter_logits(logits, params)
+        noise = torch.empty_like(scores).exponential_(generator=default_generator)
         for i, gen in enumerate(generators):
             if gen is not None:  # seeded requests draw from their own stream
                 noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = torch.sub(scores, noise.log_()).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     token_list = tokens.tolist()
     return SamplerOutput(token_list, _logprobs(logits, token_list, params))
