@@ -116,7 +116,9 @@ def _finish(acc, m_i, l_i):
     return out, lse
 
 
-@triton.jit
+# One compiled variant for every split count: the split count and the partials' strides that follow it
+# are not specialised (Triton would otherwise compile again for values divisible by 16).
+@triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, seq_ids_ptr, qk_scale,
     num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
@@ -174,7 +176,7 @@ def _decode_kernel(
     tl.store(lse_ptr + dst * stride_lt + heads * stride_lh + split * stride_ls, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_plt", "stride_plh"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, num_splits,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
@@ -320,6 +322,8 @@ def paged_decode_attention(
     seq_ids: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new token per sequence (at row cu_query_lens[i]) over its paged KV.
 
@@ -336,6 +340,8 @@ def paged_decode_attention(
     if num_splits is None:
         bound = max_seq_len or block_tables.shape[1] * block_size
         num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits} is outside 1..{MAX_SPLITS}")
     out, lse = out or _new_outputs(q)
     if num_programs == 0:
         return out, lse
@@ -354,14 +360,14 @@ def paged_decode_attention(
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
             part_out, part_lse, out, lse, cu_query_lens, ids, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), INDEXED=indexed, num_warps=4,
+            HEAD_DIM=head_dim, SPLITS_PAD=16 if num_splits <= 16 else MAX_SPLITS, INDEXED=indexed, num_warps=4,
         )
     return out, lse
 
