@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/offload_exactness.py --model DIR [--lengths 4096 8192] [--dtype float32 bfloat16]
 
-For each dtype: a batch of essay excerpts per length, GPU-only first, then with a device pool of
+For each dtype: a batch of excerpts of the package's source per length, GPU-only first, then with a device pool of
 --gpu-blocks blocks (the rest of the KV on the host); both eager with 1,024-token chunks. Prints identical sequences and the first
 divergence of the others with the logprob gap of the two candidate tokens there.
 """
@@ -13,13 +13,14 @@ import gc
 
 import torch
 
-from common import log, save_results
+from common import HERE, log, save_results
 from nanovllm import LLM, SamplingParams
-from nanovllm.eval.needle import essay_sentences
 
 
 def prompts(tokenizer, lengths: list[int], per_length: int) -> list[list[int]]:
-    essay = tokenizer(" ".join(essay_sentences(4 * max(lengths)))).input_ids
+    """Real text that needs no download: the package's own source, excerpts at different offsets."""
+    source = sorted((HERE.parent / "nanovllm").glob("**/*.py"))
+    essay = tokenizer("\n".join(p.read_text() for p in source)).input_ids
     return [essay[i * n // 3 : i * n // 3 + n - 64] for n in lengths for i in range(per_length)]
 
 

@@ -6,6 +6,8 @@ preemption when the host pool is full) in CI. The cuda-marked tests repeat it on
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -195,11 +197,11 @@ def test_smollm2_greedy_with_offload_cpu(smollm2_path):
 def test_smollm2_greedy_with_offload_cuda(smollm2_path, length):
     """bf16 on the GPU with copy streams: greedy tokens equal GPU-only (eager, same chunk schedule) at 4K and
     8K with most KV on the host; the step's KV fits one ring slot, so attention is the single-pass kind."""
-    from nanovllm.eval.needle import essay_sentences
-
     schedule = dict(kvcache_block_size=256, max_num_batched_tokens=1024, enforce_eager=True)
     llm = LLM(str(smollm2_path), num_gpu_blocks=64, **schedule)
-    essay = llm.tokenizer(" ".join(essay_sentences(3 * length))).input_ids
+    # Real text that needs no download (the GPU machine has no network): this package's own source.
+    source = sorted(Path(__file__).parent.parent.glob("nanovllm/**/*.py"))
+    essay = llm.tokenizer("\n".join(p.read_text() for p in source)).input_ids
     batch = [essay[start : start + length - 64] for start in (0, length // 2, length)]
     params = SamplingParams(temperature=0, max_tokens=32)
     want = generate(llm, batch, params)

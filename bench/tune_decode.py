@@ -1,0 +1,101 @@
+"""Sweep the paged decode kernel's launch parameters on decode shapes of the benchmarks; print the
+achieved bandwidth (KV bytes read / kernel time) as a fraction of the measured HBM copy bandwidth.
+
+    PYTHONPATH=. python3 bench/tune_decode.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+
+import torch
+
+from common import log, measure_hbm_bandwidth, require_cuda, save_results
+from nanovllm.kernels import triton_paged_attention as ops
+
+# (name, batch, context lengths lo..hi, query heads, KV heads); head_dim 128, bf16, 256-token blocks
+SHAPES = [
+    ("qwen3-0.6b throughput", 256, (100, 1100), 16, 8),
+    ("llama-8b b1 1K", 1, (1024, 1024), 32, 8),
+    ("llama-8b b1 32K", 1, (32768, 32768), 32, 8),
+    ("llama-8b b32 1K", 32, (1024, 1024), 32, 8),
+]
+BLOCK = 256
+HEAD_DIM = 128
+
+
+def make_inputs(batch: int, lengths: tuple[int, int], heads: int, kv_heads: int, seed: int = 0):
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(*lengths) for _ in range(batch)]
+    blocks = [-(-n // BLOCK) for n in seq_lens]
+    order = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(blocks)
+    tables, at = [], 0
+    for n in blocks:
+        tables.append(order[at : at + n] + [0] * (width - n))
+        at += n
+    dev = "cuda"
+    k_cache = torch.randn(sum(blocks), BLOCK, kv_heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    tables_t = torch.tensor(tables, dtype=torch.int64, device=dev)
+    kv_bytes = sum(seq_lens) * kv_heads * HEAD_DIM * 2 * 2
+    return (q, k_cache, v_cache, cu, lens, tables_t, HEAD_DIM**-0.5), kv_bytes
+
+
+def kernel_ms(fn, repeats: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer launch configurations")
+    args = ap.parse_args()
+    require_cuda()
+    bandwidth = measure_hbm_bandwidth()
+    log(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    grid = dict(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))
+    if args.quick:
+        grid = dict(block_n=(64, 128), num_warps=(4,), num_stages=(2, 3))
+    results = {}
+    for name, batch, lengths, heads, kv_heads in SHAPES:
+        inputs, kv_bytes = make_inputs(batch, lengths, heads, kv_heads)
+        want = ops.paged_decode_attention(*inputs, num_splits=1)[0]
+        default_ms = kernel_ms(lambda: ops.paged_decode_attention(*inputs))
+        rows = []
+        splits_options = (1, 2, 4) if batch >= 64 else (1, 4, 8, 16, 32, 64)
+        for block_n, warps, stages, splits in itertools.product(*grid.values(), splits_options):
+            fn = lambda: ops.paged_decode_attention(*inputs, num_splits=splits, block_n=block_n,  # noqa: E731
+                                                    num_warps=warps, num_stages=stages)
+            try:
+                got = fn()[0]
+            except Exception as exc:  # out of shared memory or registers for this combination
+                log(f"  {name}: block_n {block_n} warps {warps} stages {stages} failed: {type(exc).__name__}")
+                continue
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            ms = kernel_ms(fn)
+            rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
+                         "ms": ms, "of_hbm": kv_bytes / (ms / 1e3) / bandwidth})
+        rows.sort(key=lambda r: r["ms"])
+        results[name] = {"default_ms": default_ms, "default_of_hbm": kv_bytes / (default_ms / 1e3) / bandwidth,
+                         "best": rows[:8]}
+        log(f"{name}: default {default_ms * 1e3:.0f} us ({results[name]['default_of_hbm']:.0%} of HBM)")
+        for r in rows[:8]:
+            log(f"   {r['ms'] * 1e3:7.0f} us {r['of_hbm']:5.0%}  block_n {r['block_n']} warps {r['num_warps']} "
+                f"stages {r['num_stages']} splits {r['num_splits']}")
+    save_results("tune_decode", results)
+
+
+if __name__ == "__main__":
+    main()
