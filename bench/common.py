@@ -45,6 +45,19 @@ def hf_model(config_dir: Path, dtype=torch.bfloat16):
     return model.eval()
 
 
+def cuda_ms(fn, repeats: int = 20) -> float:
+    """Mean GPU time of fn() in ms over repeats calls, after one untimed call (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def timed(fn):
     torch.cuda.synchronize()
     t = time.perf_counter()

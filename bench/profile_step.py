@@ -16,22 +16,10 @@ import time
 
 import torch
 
-from common import HERE, log, measure_hbm_bandwidth, require_cuda, save_results
+from common import HERE, cuda_ms, log, measure_hbm_bandwidth, require_cuda, save_results
 from throughput import workload
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sampler import sample
-
-
-def gpu_ms(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:
@@ -68,10 +56,10 @@ def main() -> None:
     batch = len(seqs)
     graphs = llm.runner.graphs
     bucket = next(b for b in graphs.buckets if b >= batch)
-    replay_ms = gpu_ms(graphs.graphs[bucket].replay)
+    replay_ms = cuda_ms(graphs.graphs[bucket].replay)
     logits = graphs.logits[bucket][:batch]
     sample_params = [s.params for s in seqs]
-    sample_ms = gpu_ms(lambda: sample(logits, sample_params, [None] * batch, llm.runner.default_generator))
+    sample_ms = cuda_ms(lambda: sample(logits, sample_params, [None] * batch, llm.runner.default_generator))
 
     weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
     layers, _, kv_heads, head_dim = llm.runner.kv_shape

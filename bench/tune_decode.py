@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from common import log, measure_hbm_bandwidth, require_cuda, save_results
+from common import cuda_ms, log, measure_hbm_bandwidth, require_cuda, save_results
 from nanovllm.kernels import triton_paged_attention as ops
 
 # (name, batch, context lengths lo..hi, query heads, KV heads); head_dim 128, bf16, 256-token blocks
@@ -46,18 +46,6 @@ def make_inputs(batch: int, lengths: tuple[int, int], heads: int, kv_heads: int,
     return (q, k_cache, v_cache, cu, lens, tables_t, HEAD_DIM**-0.5), kv_bytes
 
 
-def kernel_ms(fn, repeats: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer launch configurations")
@@ -72,7 +60,7 @@ def main() -> None:
     for name, batch, lengths, heads, kv_heads in SHAPES:
         inputs, kv_bytes = make_inputs(batch, lengths, heads, kv_heads)
         want = ops.paged_decode_attention(*inputs, num_splits=1)[0]
-        default_ms = kernel_ms(lambda: ops.paged_decode_attention(*inputs))
+        default_ms = cuda_ms(lambda: ops.paged_decode_attention(*inputs))
         rows = []
         splits_options = (1, 2, 4) if batch >= 64 else (1, 4, 8, 16, 32, 64)
         for block_n, warps, stages, splits in itertools.product(*grid.values(), splits_options):
@@ -84,7 +72,7 @@ def main() -> None:
                 log(f"  {name}: block_n {block_n} warps {warps} stages {stages} failed: {type(exc).__name__}")
                 continue
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-            ms = kernel_ms(fn)
+            ms = cuda_ms(fn)
             rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
                          "ms": ms, "of_hbm": kv_bytes / (ms / 1e3) / bandwidth})
         rows.sort(key=lambda r: r["ms"])
