@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q $(INSTALL)
 	touch $@
 
-.PHONY: setup demo test
+.PHONY: setup demo test gpu-check
 setup: $(BIN)/.installed
 
 demo: setup
@@ -19,3 +19,14 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# On a CUDA machine whose Python already has torch, triton and transformers (the H200 image): the kernel
+# tests (on CUDA at real sizes and dtypes), every cuda-marked test (SmolLM2 ones need the model fetched
+# or in NANOVLLM_CACHE), then the speed benchmarks. Results as JSON in $$OUT (else bench/results).
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q tests/test_kernels.py tests/test_fused_ops.py -m "not cuda"
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m cuda tests
+	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u profile_step.py
+	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u throughput.py
+	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u latency.py
+	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u offload.py --cases 1x32768 4x32768 1x65536 --skip-hf
