@@ -334,25 +334,52 @@ def test_prefill_kernel_non_causal(ops, dtype):
 
 
 def test_history_attention_matches_torch_backend(ops):
-    """Both backends: decode and prefill rows, a sequence without keys keeps its (0, -inf) rows."""
+    """Both backends merge history attention into a partial result by LSE: decode and prefill rows;
+    rows of sequences without keys keep what they held; rows that held nothing (lse -inf) take the part."""
     dtype = DTYPES[0]
     query_lens, seq_lens = [3, 1, 20, 1, 4], [32, 0, 48, 16, 0]
     b = make_batch(query_lens, seq_lens, 2, 2, 64, 16, dtype, seed=6)
     tables = [[int(x) for x in t if x >= 0] for t in b.block_tables]
+    g = torch.Generator(DEVICE).manual_seed(7)
+    held_out = torch.randn(b.q.shape, generator=g, device=DEVICE)
+    held_lse = torch.randn(b.q.shape[:2], generator=g, device=DEVICE) * 3
+    held_lse[[0, 3, 5, 24]] = float("-inf")  # nothing held yet: a prefill row, a decode row, empty-sequence rows
     results = []
     for name in ("torch", "triton"):
         backend = get_attention_backend(name)
         meta = backend.build_metadata(query_lens, seq_lens, tables, [], 16, DEVICE)
-        out = (torch.zeros(b.q.shape, dtype=torch.float32, device=DEVICE),
-               torch.full(b.q.shape[:2], float("-inf"), device=DEVICE))
+        out = (held_out.clone(), held_lse.clone())
         backend.history_attention(b.q, b.k_cache, b.v_cache, meta, 0.2, out)
         results.append(out)
-    want = paged_attention_reference(*b.args(0.2), causal=False)
-    for out, lse in results:
-        torch.testing.assert_close(out, want[0].float(), atol=TOLERANCES[dtype][0], rtol=TOLERANCES[dtype][1])
-        torch.testing.assert_close(lse, want[1], atol=TOLERANCES[dtype][2], rtol=1e-5)
+    part = paged_attention_reference(*b.args(0.2), causal=False)
+    want = merge_attention_states(held_out, held_lse, part[0].float(), part[1])
     empty_rows = [3, 25, 26, 27, 28]  # rows of the two sequences without keys
-    assert torch.isinf(results[1][1][empty_rows]).all() and (results[1][0][empty_rows] == 0).all()
+    want[0][empty_rows], want[1][empty_rows] = held_out[empty_rows], held_lse[empty_rows]
+    for out, lse in results:
+        torch.testing.assert_close(out, want[0], atol=TOLERANCES[dtype][0], rtol=TOLERANCES[dtype][1])
+        torch.testing.assert_close(lse, want[1], atol=TOLERANCES[dtype][2], rtol=1e-5)
+        assert torch.equal(out[empty_rows], held_out[empty_rows])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_and_prefill_kernels_accumulate_into_a_partial_result(ops, num_splits):
+    """accumulate=True equals attention over both key sets: split the keys of each sequence in two caches."""
+    dtype = DTYPES[0]
+    query_lens, seq_lens = [1, 6, 1], [40, 24, 33]
+    first = make_batch(query_lens, seq_lens, 2, 2, 64, 16, dtype, seed=8)
+    second = make_batch(query_lens, [16, 8, 17], 2, 2, 64, 16, dtype, seed=9)
+    second.q = first.q
+    out = [t.clone() for t in paged_attention_reference(*first.args(0.15), causal=False)]
+    out[0] = out[0].float()
+    ops.paged_decode_attention(*second.args(0.15), seq_ids=torch.tensor([0, 2], device=DEVICE), num_splits=num_splits,
+                               out=out, accumulate=True)
+    schedule = ops.build_prefill_schedule(query_lens, ops.prefill_config(dtype, 64, 16).block_m, DEVICE,
+                                          skip_single_token=True)
+    ops.paged_prefill_attention(*second.args(0.15), schedule=schedule, out=out, causal=False, accumulate=True)
+    want = merge_attention_states(*paged_attention_reference(*first.args(0.15), causal=False),
+                                  *paged_attention_reference(*second.args(0.15), causal=False))
+    torch.testing.assert_close(out[0], want[0].float(), atol=TOLERANCES[dtype][0], rtol=TOLERANCES[dtype][1])
+    torch.testing.assert_close(out[1], want[1], atol=TOLERANCES[dtype][2], rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.kernels.reference import merge_attention_states
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, store_kv
 
 RING_SLOTS = 2
@@ -227,7 +226,7 @@ class OffloadStep:
 
     def attention(self, layer: int, backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store the new K/V, attend over device blocks, then over each host piece; merge by LSE."""
+        """Store the new K/V, attend over device blocks, then over each host piece, each merged by LSE."""
         compute = torch.cuda.current_stream(self.o.device) if self.cuda else None
         if self.d2h_done:
             compute.wait_event(self.d2h_done[layer])  # reused device blocks must be copied out first
@@ -241,10 +240,9 @@ class OffloadStep:
             slot = unit % RING_SLOTS
             if self.cuda:
                 compute.wait_event(self.copied.pop(unit))
-            part = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
-            backend.history_attention(q, self.o.ring[0, slot], self.o.ring[1, slot], piece.meta, scale, part)
+            # merged into (out, lse) by log-sum-exp inside the kernels: no separate merge pass
+            backend.history_attention(q, self.o.ring[0, slot], self.o.ring[1, slot], piece.meta, scale, (out, lse))
             self._release(unit, compute)
-            out, lse = merge_attention_states(out, lse, *part)
         return out.to(q.dtype)
 
     def _single_pass(self, layer: int, backend: AttentionBackend, q, k, v, k_cache, v_cache, meta: AttentionMetadata,

@@ -116,8 +116,31 @@ def _finish(acc, m_i, l_i):
     return out, lse
 
 
-# One compiled variant for every split count: the split count and the partials' strides that follow it
-# are not specialised (Triton would otherwise compile again for values divisible by 16).
+@triton.jit
+def _lse_weights(prev_lse, lse):
+    """Weights of two normalised partial results with these log-sum-exps (any shape; -inf: no keys,
+    weight 0) and the merged lse. Both empty: weights 0, lse -inf."""
+    peak = tl.maximum(prev_lse, lse)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)  # both empty: avoid -inf - -inf
+    w_prev = tl.exp(prev_lse - peak)
+    w_new = tl.exp(lse - peak)
+    total = w_prev + w_new
+    norm = tl.where(total > 0.0, total, 1.0)
+    return w_prev / norm, w_new / norm, peak + tl.log(total)
+
+
+@triton.jit
+def _merge_stored(out, lse, out_ptrs, lse_ptrs, row_mask):
+    """Log-sum-exp merge of this part (out [R, D] normalised, lse [R] natural log) with the partial
+    result stored at out_ptrs / lse_ptrs; a side with lse -inf has no keys and its out is ignored."""
+    prev_lse = tl.load(lse_ptrs, mask=row_mask, other=float("-inf"))
+    prev_out = tl.load(out_ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    w_prev, w_new, merged_lse = _lse_weights(prev_lse, lse)
+    merged = tl.where(w_prev[:, None] > 0.0, prev_out * w_prev[:, None], 0.0) + \
+        tl.where(w_new[:, None] > 0.0, out * w_new[:, None], 0.0)
+    return merged, merged_lse
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, seq_ids_ptr, qk_scale,
@@ -125,9 +148,11 @@ def _decode_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
-    DIRECT (one split): write the result at the token's row of out/lse, else partials at [i, head, split]."""
+    DIRECT (one split): write the result at the token's row of out/lse (ACCUMULATE: merged by LSE with
+    what the row holds), else partials at [i, head, split]."""
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,18 +196,22 @@ def _decode_kernel(
         dst = row
     else:
         dst = i.to(tl.int64)
-    tl.store(out_ptr + dst * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    tl.store(lse_ptr + dst * stride_lt + heads * stride_lh + split * stride_ls, lse, mask=head_mask)
+    out_ptrs = out_ptr + dst * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    lse_ptrs = lse_ptr + dst * stride_lt + heads * stride_lh + split * stride_ls
+    if ACCUMULATE and DIRECT:
+        out, lse = _merge_stored(out, lse, out_ptrs, lse_ptrs, head_mask)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    tl.store(lse_ptrs, lse, mask=head_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_plt", "stride_plh"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, num_splits,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, INDEXED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """Log-sum-exp merge of the splits of partials [i, head, :] into the token's row of out/lse."""
+    """Log-sum-exp merge of the splits of partials [i, head, :] into the token's row of out/lse
+    (ACCUMULATE: also with what that row holds)."""
     i = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if INDEXED:
@@ -201,8 +230,15 @@ def _merge_splits_kernel(
     parts = tl.load(part_out_ptr + i * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                     mask=s_mask[:, None], other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + row * stride_lt + head * stride_lh, peak + tl.log(total))
+    out_ptrs = out_ptr + row * stride_ot + head * stride_oh + offs_d
+    lse_ptr = lse_ptr + row * stride_lt + head * stride_lh
+    lse = peak + tl.log(total)
+    if ACCUMULATE:
+        prev_out = tl.load(out_ptrs).to(tl.float32)
+        w_prev, w_new, lse = _lse_weights(tl.load(lse_ptr), lse)
+        out = tl.where(w_prev > 0.0, prev_out * w_prev, 0.0) + tl.where(w_new > 0.0, out * w_new, 0.0)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr, lse)
 
 
 @triton.jit
@@ -212,6 +248,7 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     head = tl.program_id(0)
     work = tl.program_id(1)
@@ -254,9 +291,12 @@ def _prefill_kernel(
         stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION,
     )
     out, lse = _finish(acc, m_i, l_i)
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-    tl.store(lse_ptr + rows * stride_lt + head * stride_lh, lse, mask=row_mask)
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    lse_ptrs = lse_ptr + rows * stride_lt + head * stride_lh
+    if ACCUMULATE:
+        out, lse = _merge_stored(out, lse, out_ptrs, lse_ptrs, row_mask)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(lse_ptrs, lse, mask=row_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,6 +364,7 @@ def paged_decode_attention(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    accumulate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new token per sequence (at row cu_query_lens[i]) over its paged KV.
 
@@ -331,7 +372,8 @@ def paged_decode_attention(
     (the decode rows of a mixed batch); rows of other sequences in `out` are left untouched.
     num_splits defaults to `decode_num_splits` of max_seq_len, itself defaulting to the bound
     block_tables.shape[1] * block_size, so it is fixed for fixed shapes. out: (out [T, Hq, D],
-    lse [T, Hq] float32) to write into, else new tensors. Returns (out, lse)."""
+    lse [T, Hq] float32) to write into, else new tensors; accumulate=True merges the result by
+    log-sum-exp with the partial result already in out (lse -inf: none). Returns (out, lse)."""
     _check(q, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -342,6 +384,8 @@ def paged_decode_attention(
         num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} is outside 1..{MAX_SPLITS}")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out, the partial result to merge into")
     out, lse = out or _new_outputs(q)
     if num_programs == 0:
         return out, lse
@@ -360,14 +404,15 @@ def paged_decode_attention(
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        ACCUMULATE=accumulate, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
             part_out, part_lse, out, lse, cu_query_lens, ids, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=16 if num_splits <= 16 else MAX_SPLITS, INDEXED=indexed, num_warps=4,
+            HEAD_DIM=head_dim, SPLITS_PAD=16 if num_splits <= 16 else MAX_SPLITS, INDEXED=indexed,
+            ACCUMULATE=accumulate, num_warps=4,
         )
     return out, lse
 
@@ -434,13 +479,15 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     causal: bool = True,
+    accumulate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen causal attention of each sequence's new tokens over its cached prefix and themselves.
     With causal=False every new token sees all seq_lens[i] keys (KV history that precedes the queries).
 
     schedule must come from `build_prefill_schedule` with config.block_m; without it, it is built from
     cu_query_lens and seq_lens (a device-to-host copy); only the rows it covers are written. out:
-    (out [T, Hq, D], lse [T, Hq] float32) to write into, else new tensors. Returns (out, lse)."""
+    (out [T, Hq, D], lse [T, Hq] float32) to write into, else new tensors; accumulate=True merges the
+    result by log-sum-exp with the partial result already in out. Returns (out, lse)."""
     _check(q, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -450,6 +497,8 @@ def paged_prefill_attention(
     if schedule is None:
         query_lens = torch.diff(cu_query_lens).tolist()
         schedule = build_prefill_schedule(query_lens, config.block_m, q.device, seq_lens.tolist())
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out, the partial result to merge into")
     out, lse = out or _new_outputs(q)
     if schedule.shape[0] == 0:
         return out, lse
@@ -458,7 +507,8 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, num_warps=config.num_warps,
+        BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, ACCUMULATE=accumulate,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out, lse

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.reference import paged_attention_reference
+from nanovllm.kernels.reference import merge_attention_states, paged_attention_reference
 
 
 @dataclass
@@ -95,8 +95,9 @@ class AttentionBackend(ABC):
         self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
         """Non-causal attention of every query row over seq_lens[i] keys of its sequence in the given
-        caches (KV history that precedes all of them), written into out = (out, lse). Rows of sequences
-        with seq_len 0 are left as they are."""
+        caches (KV history that precedes all of them), merged by log-sum-exp into out = (out, lse), the
+        partial result over other keys (lse -inf where there is none). Rows of sequences with seq_len 0
+        are left as they are."""
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -164,8 +165,9 @@ class TorchPagedAttention(AttentionBackend):
         part_out, part_lse = paged_attention_reference(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
                                                        meta.block_tables_tensor, scale, causal=False)
         rows = _rows_with_keys(meta, q.device)
-        out[0][rows] = part_out[rows].to(out[0].dtype)
-        out[1][rows] = part_lse[rows]
+        merged, merged_lse = merge_attention_states(out[0][rows], out[1][rows], part_out[rows], part_lse[rows])
+        out[0][rows] = merged
+        out[1][rows] = merged_lse
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -70,9 +70,11 @@ class TritonPagedAttention(AttentionBackend):
         tensors = (q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor, meta.block_tables_tensor, scale)
         plan = self._plan(q, k_cache, meta, history=True)
         if plan.schedule.shape[0]:
-            self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config, out=out, causal=False)
+            self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config, out=out,
+                                             causal=False, accumulate=True)
         if plan.decode_ids is not None:
-            self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode, out=out)
+            self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode,
+                                            out=out, accumulate=True)
 
     def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, history: bool = False) -> PrefillPlan:
         """The step's plan, kept in the metadata and reused by every layer (same shapes)."""
