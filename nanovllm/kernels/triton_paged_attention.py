@@ -230,15 +230,15 @@ def _merge_splits_kernel(
     parts = tl.load(part_out_ptr + i * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                     mask=s_mask[:, None], other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    out_ptrs = out_ptr + row * stride_ot + head * stride_oh + offs_d
-    lse_ptr = lse_ptr + row * stride_lt + head * stride_lh
+    out_dst = out_ptr + row * stride_ot + head * stride_oh + offs_d
+    lse_dst = lse_ptr + row * stride_lt + head * stride_lh
     lse = peak + tl.log(total)
     if ACCUMULATE:
-        prev_out = tl.load(out_ptrs).to(tl.float32)
-        w_prev, w_new, lse = _lse_weights(tl.load(lse_ptr), lse)
+        prev_out = tl.load(out_dst).to(tl.float32)
+        w_prev, w_new, lse = _lse_weights(tl.load(lse_dst), lse)
         out = tl.where(w_prev > 0.0, prev_out * w_prev, 0.0) + tl.where(w_new > 0.0, out * w_new, 0.0)
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr, lse)
+    tl.store(out_dst, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_dst, lse)
 
 
 @triton.jit
