@@ -3,7 +3,9 @@
 Layouts are those of `nanovllm.kernels.reference` (which defines the expected results):
 q [T, Hq, D], caches [num_blocks, block_size, Hk, D], cu_query_lens [B + 1], seq_lens [B],
 block_tables [B, max_blocks]. Both entry points return (out [T, Hq, D] in q.dtype, lse [T, Hq] float32,
-natural log). Softmax runs online in float32 in base 2 (scores pre-multiplied by log2(e)).
+natural log). Softmax runs online in float32 in base 2 (scores pre-multiplied by log2(e)). With
+accumulate=True both merge their result by log-sum-exp into the partial result already in `out` (CPU
+offload attends over host-resident pieces one at a time this way).
 
 KV tiles: a KV tile is BLOCK_N consecutive positions with BLOCK_N dividing block_size, so a tile never
 straddles two cache blocks: one block-table load per tile, then contiguous rows of that block.
