@@ -87,10 +87,12 @@ class Scheduler:
         """Give seq KV blocks for its next n tokens, or for as many as fit after offloading; returns
         how many tokens it got blocks for (0: none)."""
         bm = self.block_manager
-        if not bm.can_grow(seq, seq.num_computed_tokens + n) and bm.num_host_blocks:
+        if not bm.can_grow(seq, seq.num_computed_tokens + n):
+            if not bm.num_host_blocks:
+                return 0
             n = self._make_room(seq, n)
-        if n == 0 or not bm.can_grow(seq, seq.num_computed_tokens + n):
-            return 0
+            if n == 0 or not bm.can_grow(seq, seq.num_computed_tokens + n):
+                return 0
         bm.grow(seq, seq.num_computed_tokens + n)
         return n
 
