@@ -8,13 +8,15 @@
 - logprobs of every prompt position of a 32K x 4 batch, offload against GPU-only (max abs difference);
 - HF transformers generate with its offloaded cache (cache_implementation="offloaded") at 32K.
 
-    PYTHONPATH=. python3 bench/offload.py [--cases 1x32768 4x32768 ...] [--decode-steps 8] [--skip-hf]
+    PYTHONPATH=. python3 bench/offload.py [--cases 1x32768 4x32768 ...] [--decode-steps 8] [--skip-hf] [--trace]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -58,8 +60,9 @@ def random_prompts(vocab: int, batch: int, context: int, seed: int) -> list[list
     return [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
-def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
-    """Prefill all prompts (until every request has its first token), then time decode_steps steps."""
+def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int, trace: str | None = None) -> dict:
+    """Prefill all prompts (until every request has its first token), then time decode_steps steps.
+    trace: also profile one more decode step (CPU and CUDA) into this Chrome-trace file."""
     # Early requests must still be decoding when the last one gets its first token: a generous max_tokens,
     # and the requests are aborted after the measured steps.
     prefill_steps = -(-sum(map(len, prompts)) // llm.config.max_num_batched_tokens) + len(prompts)
@@ -83,6 +86,8 @@ def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
         llm.step()
     torch.cuda.synchronize()
     decode_s = (time.perf_counter() - t1) / decode_steps
+    if trace:
+        profile_step(llm, trace)
     for request_id in ids:
         llm.abort_request(request_id)
     h2d = (offloader.stats.h2d_bytes - h2d0) / decode_steps if offloader else 0
@@ -90,6 +95,20 @@ def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int) -> dict:
     return {"prefill_tok_s": sum(map(len, prompts)) / prefill_s, "prefill_s": prefill_s,
             "decode_ms": 1e3 * decode_s, "h2d_bytes_per_step": h2d, "h2d_copies_per_step": copies,
             "host_blocks": host_blocks, "preemptions": llm.scheduler.num_preemptions}
+
+
+def profile_step(llm: LLM, path: str) -> None:
+    """One engine step under torch.profiler: the Chrome trace shows whether the CPU (launching) or the
+    GPU and copy engines set the pace; the table lists where device and host time went."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    log(prof.key_averages().table(sort_by="device_time_total", row_limit=8))
+    log(f"trace written to {path}")
 
 
 def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
@@ -136,6 +155,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-gpu-only", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="profile one decode step per offload case (Chrome trace)")
     args = ap.parse_args()
     require_cuda()
     h2d = measure_h2d_bandwidth()
@@ -184,7 +204,8 @@ def main() -> None:
         prompts = random_prompts(vocab, batch, context, context + batch)
         # untimed, other prompts of the same shape (no prefix-cache hits): compiles this case's kernels
         run_case(llm, random_prompts(vocab, batch, context, context + batch + 1000), args.decode_steps)
-        r = run_case(llm, prompts, args.decode_steps)
+        trace = str(Path(os.environ.get("OUT") or HERE / "results") / f"offload_trace_{batch}x{context}.json")
+        r = run_case(llm, prompts, args.decode_steps, trace if args.trace else None)
         floor_ms = 1e3 * r["h2d_bytes_per_step"] / h2d
         r.update(batch=batch, context=context, pcie_floor_ms=floor_ms,
                  decode_vs_floor=r["decode_ms"] / floor_ms if floor_ms else None,
