@@ -121,3 +121,10 @@ def test_fused_ops_round_like_pytorch_in_bf16_cuda(triton_ops):
 def test_unknown_layer_ops_name_is_refused():
     with pytest.raises(ValueError, match="available"):
         get_layer_ops("cuda-magic")
+
+
+def test_rms_norm_over_the_last_dim_of_any_shape(triton_ops):
+    x = rand(3, 4, 64, dtype=torch.float32, seed=20)
+    weight = rand(64, dtype=torch.float32, seed=21)
+    torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6), LayerOps().rms_norm(x, weight, 1e-6),
+                               **TOL[torch.float32])

@@ -45,7 +45,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class TritonLayerOps(LayerOps):
-    """Fused Triton kernels for 2-D activations on a GPU (or the Triton interpreter)."""
+    """Fused Triton kernels on a GPU (or the Triton interpreter)."""
 
     name = "triton"
 
@@ -55,9 +55,7 @@ class TritonLayerOps(LayerOps):
         self.kernels = triton_fused
 
     def rms_norm(self, x, weight, eps):
-        if x.dim() != 2:  # per-head norms outside qk_norm_rope
-            return super().rms_norm(x, weight, eps)
-        return self.kernels.rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
     def add_rms_norm(self, x, residual, weight, eps):
         return self.kernels.rms_norm(x, weight, eps, residual)
