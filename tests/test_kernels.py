@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from nanovllm.kernels.reference import merge_attention_states, paged_attention_reference
+from nanovllm.kernels.reference import HostKV, merge_attention_states, paged_attention_reference
 from nanovllm.layers.attention import get_attention_backend
 
 CUDA = torch.cuda.is_available()
@@ -201,6 +201,44 @@ def test_decode_kernel(ops, kv_heads, group, head_dim, block_size, dtype):
     want = paged_attention_reference(*b.args(scale))
     assert_matches(ops.paged_decode_attention(*b.args(scale)), want, dtype)
     assert_matches(ops.paged_decode_attention(*b.args(scale), num_splits=1), want, dtype)
+
+
+def move_blocks_to_host(b: Batch, every: int, base: int = 1 << 40) -> tuple[torch.Tensor, HostKV]:
+    """Every `every`-th block of each table moved into a host pool (pinned on CUDA): returns the tables
+    naming them base + host id, and the pool. The device copies become NaN, so reading them shows."""
+    tables = b.block_tables.clone()
+    moved = [(i, j) for i in range(tables.shape[0]) for j in range(tables.shape[1])
+             if tables[i, j] >= 0 and j % every == 0]
+    pin = DEVICE.type == "cuda"
+    shape = (len(moved) + 2, *b.k_cache.shape[1:])
+    host = HostKV(torch.full(shape, float("nan"), dtype=b.k_cache.dtype, pin_memory=pin),
+                  torch.full(shape, float("nan"), dtype=b.k_cache.dtype, pin_memory=pin), base)
+    for h, (i, j) in enumerate(reversed(moved)):  # host ids in another order than the device ids
+        block = int(tables[i, j])
+        host.k[h].copy_(b.k_cache[block]), host.v[h].copy_(b.v_cache[block])
+        b.k_cache[block], b.v_cache[block] = float("nan"), float("nan")
+        tables[i, j] = base + h
+    return tables, host
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_host_blocks_in_place(ops, num_splits):
+    """Blocks in a (pinned) host pool, named by table entries >= base, read by the decode kernel where
+    they lie: the same result as with every block on the device, and the reference agrees."""
+    dtype = DTYPES[0]
+    b = make_batch([1] * 4, [1, 70, 33, 128], 2, 4, 64, 16, dtype, seed=num_splits)
+    want = paged_attention_reference(*b.args(0.125))
+    tables, host = move_blocks_to_host(b, every=2)
+    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, b.seq_lens, tables, 0.125)
+    assert_matches(paged_attention_reference(*args, host_kv=host), want, dtype)
+    assert_matches(ops.paged_decode_attention(*args, num_splits=num_splits, block_n=16, host_kv=host), want, dtype)
+
+
+def test_host_caches_must_match_the_device_layout(ops):
+    b = make_batch([1], [20], 1, 2, 64, 16, torch.float32)
+    bad = HostKV(torch.zeros(2, 16, 1, 32), torch.zeros(2, 16, 1, 32), 100)
+    with pytest.raises(ValueError, match="block shape"):
+        ops.paged_decode_attention(*b.args(0.1), host_kv=bad)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 16])

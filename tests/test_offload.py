@@ -64,15 +64,21 @@ def test_consecutive_runs():
     assert consecutive_runs([]) == []
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["decode-in-place", "decode-via-ring"])
 @pytest.mark.parametrize("ring_blocks", [1, 3, 32])
-def test_offload_matches_device_only(tiny_llama, reference, monkeypatch, ring_blocks):
-    """Six requests in 6 device blocks: most KV lives on the host, streamed in 1, 3 or 32-block pieces."""
+def test_offload_matches_device_only(tiny_llama, reference, monkeypatch, ring_blocks, mapped):
+    """Six requests in 6 device blocks: most KV lives on the host, streamed in 1, 3 or 32-block pieces
+    (prefill; decode too when not reading it in place)."""
     llm = offload_llm(tiny_llama, ring_blocks, monkeypatch)
+    llm.runner.offloader.mapped_decode = mapped
     assert llm.runner.offloader.ring_blocks == ring_blocks
     got = generate(llm, prompts())
     assert_same(got, reference)
     stats = llm.runner.offloader.stats
-    assert stats.d2h_bytes > 0 and stats.h2d_bytes > stats.d2h_bytes  # history is read back every step
+    assert stats.d2h_bytes > 0 and stats.h2d_bytes > 0
+    decode_reads = stats.mapped_bytes if mapped else stats.h2d_bytes
+    assert decode_reads > stats.d2h_bytes  # history is read back every step
+    assert (stats.mapped_bytes > 0) == mapped
     assert llm.scheduler.num_preemptions == 0
     assert_all_free(llm)
 
@@ -98,7 +104,9 @@ def test_offload_matches_device_only_cuda(tiny_llama, monkeypatch, ring_blocks):
     llm = offload_llm(tiny_llama, ring_blocks, monkeypatch, device="cuda", dtype="float32")
     assert llm.runner.offloader.host.is_pinned()
     assert_same(generate(llm, prompts()), want)
-    assert llm.runner.offloader.stats.h2d_bytes > 0
+    stats = llm.runner.offloader.stats
+    assert stats.h2d_bytes > 0 and stats.mapped_bytes > 0  # prefill via the ring, decode in place ...
+    assert llm.runner.graphs.num_replays > 0  # ... in CUDA graphs
     assert_all_free(llm)
 
 

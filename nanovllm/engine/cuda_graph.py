@@ -6,6 +6,8 @@ Per-step inputs are copied into static tensors; nothing on the replay path waits
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -20,8 +22,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, max_batch: int,
-                 max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device):
-        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
+                 offload: Any = None):
+        """offload: the metadata's offload handler during capture (a MappedDecode: the graphs read
+        host-resident KV in place), or None."""
+        self.model, self.backend, self.kv_cache, self.offload = model, backend, kv_cache, offload
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.buckets = batch_buckets(max_batch)
         n = self.buckets[-1]
@@ -36,6 +41,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # positions + 1, computed in the graph
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
         self.logits: dict[int, torch.Tensor] = {}
         self._capture_all()
 
@@ -43,7 +49,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             query_lens=[1] * bs, seq_lens=[1] * bs, block_tables=[], slot_mapping=self.slot_mapping[:bs],
             cu_query_lens=self.cu_query_lens[: bs + 1], seq_lens_tensor=self.seq_lens[:bs],
-            block_tables_tensor=self.block_tables[:bs], block_size=self.block_size,
+            block_tables_tensor=self.block_tables[:bs], block_size=self.block_size, offload=self.offload,
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -85,4 +91,5 @@ class DecodeGraphs:
         self._fill_padding(rows, b, bs)  # rows left from a larger batch must not write real KV slots
         self.rows[:bs].copy_(self.staging[:bs], non_blocking=True)
         self.graphs[bs].replay()
+        self.num_replays += 1
         return self.logits[bs][:b]

@@ -75,8 +75,10 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return None
+        mapped = offload.MappedDecode(self.offloader, []) if self.offloader else None  # graphs that read host KV
         return DecodeGraphs(self.model, self.backend, self.kv_cache, min(self.config.max_num_seqs, 512),
-                            self.config.num_blocks_per_seq_limit, self.block_size, self.num_blocks, self.device)
+                            self.config.num_blocks_per_seq_limit, self.block_size, self.num_blocks, self.device,
+                            mapped)
 
     def _make_offloader(self) -> offload.KVOffloader:
         host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
@@ -157,8 +159,14 @@ class ModelRunner:
 
     def _offload_metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
                           slots: list[int], offloads: list[tuple[int, int]]) -> AttentionMetadata:
-        """Device blocks in compacted tables for the causal part; host blocks in the step's OffloadStep.
+        """Decode steps: the tables as they are, host blocks read in place (MappedDecode). Other steps:
+        device blocks in compacted tables for the causal part, host blocks in the step's OffloadStep.
         Host blocks are full and precede every new token, so dropping them keeps the causal mask right."""
+        if self.offloader.mapped_decode and all(n == 1 for n in query_lens):
+            meta = self.backend.build_metadata(query_lens, seq_lens, tables, slots, self.block_size, self.device)
+            num_host = sum(is_host_block(b) for t in tables for b in t)
+            meta.offload = offload.MappedDecode(self.offloader, offloads, num_host)
+            return meta
         located = [[(True, b - HOST_BASE) if is_host_block(b) else (False, b) for b in t[: -(-n // self.block_size)]]
                    for t, n in zip(tables, seq_lens)]
         device_tables = [[b for on_host, b in t if not on_host] for t in located]
@@ -176,6 +184,9 @@ class ModelRunner:
         offloads: (device block, host block) pairs the block manager moved out since the last step."""
         sampling = [item.seq for item in scheduled if item.samples]
         if self._graph_fits(scheduled, offloads):
+            if self.offloader is not None:
+                num_host = sum(is_host_block(b) for s in sampling for b in s.block_table)
+                offload.MappedDecode(self.offloader, list(offloads), num_host).begin()
             logits = self._decode_with_graph(sampling)
         else:
             ids, positions, meta, rows = self._prepare(scheduled, offloads)
@@ -206,9 +217,12 @@ class ModelRunner:
             row += n
 
     def _graph_fits(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]]) -> bool:
-        """A captured decode graph serves the step: all decodes, batch within the buckets, no KV on the host."""
+        """A captured decode graph serves the step: all decodes, batch within the buckets, and (unless the
+        graphs read host KV in place) no KV on the host."""
         if self.graphs is None or not self._is_decode(scheduled) or not self.graphs.fits(len(scheduled)):
             return False
+        if self.offloader is None or self.offloader.mapped_decode:
+            return True
         return not offloads and not any(is_host_block(b) for item in scheduled for b in item.seq.block_table)
 
     @staticmethod

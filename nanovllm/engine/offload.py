@@ -15,6 +15,11 @@ Blocks moved out by this step's scheduling are copied device->host on a second s
 the step, one layer at a time; each layer waits for its copy before storing new K/V, because the freed
 device blocks may be reused in the same step. On the CPU ("device" and host pools both in RAM) the
 streams are absent and every copy is synchronous, which is how the orchestration is tested in CI.
+
+Decode steps (one new token per sequence) skip all of that (`MappedDecode`): each token's query reads
+its KV once, so the decode kernel reads host blocks where they lie, in pinned memory through unified
+addressing (block-table entries >= HOST_BASE), at PCIe speed and without a copy, ring or merge. The
+step is then the same computation as device-only mode, and it replays the same CUDA graphs.
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.engine.block_manager import HOST_BASE
 from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, store_kv
 
 RING_SLOTS = 2
@@ -56,6 +63,7 @@ class TransferStats:
     d2h_bytes: int = 0
     h2d_copies: int = 0
     d2h_copies: int = 0
+    mapped_bytes: int = 0  # host KV read in place by decode kernels (MappedDecode)
 
 
 @dataclass
@@ -90,6 +98,25 @@ class KVOffloader:
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
         self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
         self.stats = TransferStats()
+        self.host_layers = [HostKV(self.host[0, layer], self.host[1, layer], HOST_BASE) for layer in range(num_layers)]
+        self.mapped_decode = True  # decode steps read host KV in place; False: through the ring (for comparison)
+
+    def copy_out(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
+        """Copy one layer's (device start, host start, n) runs to the host pool on the current stream."""
+        for device_start, host_start, n in runs:
+            for kv in range(2):
+                self.host[kv, layer, host_start : host_start + n].copy_(
+                    self.device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
+        self.count("d2h", n=2 * len(runs), blocks=sum(r[2] for r in runs))
+
+    def count(self, direction: str, n: int, blocks: int) -> None:
+        nbytes = blocks * self.block_bytes_per_layer
+        if direction == "h2d":
+            self.stats.h2d_bytes += nbytes
+            self.stats.h2d_copies += n
+        else:
+            self.stats.d2h_bytes += nbytes
+            self.stats.d2h_copies += n
 
     @property
     def block_bytes_per_layer(self) -> int:
@@ -182,11 +209,7 @@ class OffloadStep:
             self.o.d2h_stream.wait_stream(torch.cuda.current_stream(self.o.device))
         for layer in range(self.o.num_layers):
             with torch.cuda.stream(self.o.d2h_stream) if self.cuda else nullcontext():
-                for device_start, host_start, n in self.offload_runs:
-                    for kv in range(2):
-                        self.o.host[kv, layer, host_start : host_start + n].copy_(
-                            self.o.device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
-                self._count("d2h", n=2 * len(self.offload_runs), blocks=sum(r[2] for r in self.offload_runs))
+                self.o.copy_out(layer, self.offload_runs)
                 if self.cuda:
                     event = torch.cuda.Event()
                     event.record(self.o.d2h_stream)
@@ -209,20 +232,11 @@ class OffloadStep:
                 for kv in range(2):
                     self.o.ring[kv, slot, ring_start : ring_start + n].copy_(
                         self.o.host[kv, layer, host_start : host_start + n], non_blocking=True)
-            self._count("h2d", n=2 * len(runs), blocks=sum(r[2] for r in runs))
+            self.o.count("h2d", n=2 * len(runs), blocks=sum(r[2] for r in runs))
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.o.h2d_stream)
                 self.copied[unit] = event
-
-    def _count(self, direction: str, n: int, blocks: int) -> None:
-        nbytes = blocks * self.o.block_bytes_per_layer
-        if direction == "h2d":
-            self.o.stats.h2d_bytes += nbytes
-            self.o.stats.h2d_copies += n
-        else:
-            self.o.stats.d2h_bytes += nbytes
-            self.o.stats.d2h_copies += n
 
     def attention(self, layer: int, backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -268,3 +282,28 @@ class OffloadStep:
             self.slot_free[unit % RING_SLOTS] = freed
         if unit + RING_SLOTS < self.num_units:
             self._fill(unit + RING_SLOTS)
+
+
+class MappedDecode:
+    """A decode step over device and host blocks, the host ones read in place by the decode kernel
+    (module docstring). Blocks the step's scheduling moved out are copied to the host first, on the
+    compute stream: kernels behind them in stream order then see them, and no device block is reused
+    before its copy is done. `attention` does no per-step work, so the step can run in a CUDA graph."""
+
+    def __init__(self, offloader: KVOffloader, offloads: list[tuple[int, int]], num_host_blocks: int = 0):
+        """num_host_blocks: host blocks the step's tables name (counted as read, once per layer)."""
+        self.o = offloader
+        self.offload_runs = consecutive_runs(sorted(offloads))
+        self.num_host_blocks = num_host_blocks
+
+    def begin(self) -> None:
+        self.o.stats.mapped_bytes += self.num_host_blocks * self.o.num_layers * self.o.block_bytes_per_layer
+        if self.o.last_d2h is not None:  # host blocks an earlier step copied out on the side stream
+            torch.cuda.current_stream(self.o.device).wait_event(self.o.last_d2h)
+        if self.offload_runs:
+            for layer in range(self.o.num_layers):
+                self.o.copy_out(layer, self.offload_runs)
+
+    def attention(self, layer: int, backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return backend.forward(q, k, v, k_cache, v_cache, meta, scale, host_kv=self.o.host_layers[layer])

@@ -13,7 +13,18 @@ natural-log log-sum-exp of the scaled scores of each row: the handle `merge_atte
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class HostKV(NamedTuple):
+    """One layer's KV blocks in host memory: block-table entries >= base name block (entry - base) of
+    k/v, which have the device caches' block shape."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    base: int
 
 
 def paged_attention_reference(
@@ -25,10 +36,11 @@ def paged_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
     causal: bool = True,
+    host_kv: HostKV | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every new token over its sequence's cached and new keys, computed in float32.
     causal=False: every new token sees all seq_lens[i] keys (history preceding the queries); rows of
-    sequences with seq_len 0 then get out 0 and lse -inf."""
+    sequences with seq_len 0 then get out 0 and lse -inf. host_kv: blocks some tables name in host memory."""
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     starts = cu_query_lens.tolist()
@@ -36,19 +48,28 @@ def paged_attention_reference(
         start, end = starts[i], starts[i + 1]
         if end == start or seq_len == 0:
             continue
-        keys = _gather(k_cache, block_tables[i], seq_len)
-        values = _gather(v_cache, block_tables[i], seq_len)
+        keys = gather_tokens(k_cache, block_tables[i], seq_len, host_kv and host_kv.k, host_kv and host_kv.base).float()
+        values = gather_tokens(v_cache, block_tables[i], seq_len, host_kv and host_kv.v, host_kv and host_kv.base).float()
         out_i, lse_i = _sequence_attention(q[start:end].float(), keys, values, scale, causal)
         out[start:end] = out_i.to(q.dtype)
         lse[start:end] = lse_i
     return out, lse
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence as a float32 [seq_len, Hk, D] tensor."""
+def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                  host_cache: torch.Tensor | None = None, host_base: int | None = None) -> torch.Tensor:
+    """The first seq_len tokens of one sequence as a contiguous [seq_len, Hk, D] tensor on cache's device;
+    with host_cache, table entries >= host_base are read from it."""
     num_blocks = -(-seq_len // cache.shape[1])
-    blocks = block_table[:num_blocks].to(device=cache.device, dtype=torch.int64)
-    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].float()
+    blocks = block_table[:num_blocks].to(dtype=torch.int64)
+    if host_cache is None:
+        gathered = cache.index_select(0, blocks.to(cache.device))
+    else:
+        on_host = blocks >= host_base
+        device_part = cache.index_select(0, torch.where(on_host, 0, blocks).to(cache.device))
+        host_part = host_cache.index_select(0, torch.where(on_host, blocks - host_base, 0).to(host_cache.device))
+        gathered = torch.where(on_host.to(cache.device)[:, None, None, None], host_part.to(cache.device), device_part)
+    return gathered.flatten(0, 1)[:seq_len]
 
 
 def _sequence_attention(

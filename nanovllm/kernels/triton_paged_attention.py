@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.reference import HostKV
+
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -72,23 +74,30 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, seq_len, k_head_ptr, v_head_ptr, table_ptr, tile_lo, tile_hi, qk_scale,
-    stride_kb, stride_kt, stride_vb, stride_vt,
+    stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, HOST_KV: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) with KV tiles [tile_lo, tile_hi) of one sequence.
 
     MASKED applies the causal mask (key pos <= q_pos) and the end of the sequence (pos < seq_len);
-    unmasked tiles must be fully visible to every row. m_i is in log2 units.
+    unmasked tiles must be fully visible to every row. m_i is in log2 units. HOST_KV: table entries
+    >= host_base are blocks of the host pool, host_*_delta elements away from the device caches.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         block = tl.load(table_ptr + start // BLOCK_SIZE).to(tl.int64)
+        k_block = block * stride_kb
+        v_block = block * stride_vb
+        if HOST_KV:
+            on_host = block >= host_base
+            k_block = tl.where(on_host, host_k_delta + (block - host_base) * stride_kb, k_block)
+            v_block = tl.where(on_host, host_v_delta + (block - host_base) * stride_vb, v_block)
         rows = start % BLOCK_SIZE + offs_n  # rows of this cache block
-        k_ptrs = k_head_ptr + block * stride_kb + rows[None, :] * stride_kt + offs_d[:, None]  # K^T [D, BLOCK_N]
-        v_ptrs = v_head_ptr + block * stride_vb + rows[:, None] * stride_vt + offs_d[None, :]  # V [BLOCK_N, D]
+        k_ptrs = k_head_ptr + k_block + rows[None, :] * stride_kt + offs_d[:, None]  # K^T [D, BLOCK_N]
+        v_ptrs = v_head_ptr + v_block + rows[:, None] * stride_vt + offs_d[None, :]  # V [BLOCK_N, D]
         if MASKED:
             k_pos = start + offs_n
             in_seq = k_pos < seq_len
@@ -147,10 +156,11 @@ def _merge_stored(out, lse, out_ptrs, lse_ptrs, row_mask):
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, seq_ids_ptr, qk_scale,
     num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, host_k_delta, host_v_delta,
+    host_base,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr,
 ):
     """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
     DIRECT (one split): write the result at the token's row of out/lse (ACCUMULATE: merged by LSE with
@@ -187,11 +197,13 @@ def _decode_kernel(
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, lo, tl.minimum(hi, full_tiles), qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION,
+        stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, HOST_KV,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, tl.maximum(lo, full_tiles), hi, qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION,
+        stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, HOST_KV,
     )
     out, lse = _finish(acc, m_i, l_i)
     if DIRECT:
@@ -286,11 +298,11 @@ def _prefill_kernel(
     all_tiles = tl.cdiv(tl.minimum(first_pos + BLOCK_M, seq_len), BLOCK_N)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, 0, full_tiles, qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION,
+        stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, False,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, full_tiles, all_tiles, qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION,
+        stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, False,
     )
     out, lse = _finish(acc, m_i, l_i)
     out_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -367,6 +379,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     accumulate: bool = False,
+    host_kv: HostKV | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new token per sequence (at row cu_query_lens[i]) over its paged KV.
 
@@ -375,8 +388,11 @@ def paged_decode_attention(
     num_splits defaults to `decode_num_splits` of max_seq_len, itself defaulting to the bound
     block_tables.shape[1] * block_size, so it is fixed for fixed shapes. out: (out [T, Hq, D],
     lse [T, Hq] float32) to write into, else new tensors; accumulate=True merges the result by
-    log-sum-exp with the partial result already in out (lse -inf: none). Returns (out, lse)."""
+    log-sum-exp with the partial result already in out (lse -inf: none). host_kv: table entries
+    >= host_kv.base name blocks of its host caches (pinned memory, read in place through unified
+    addressing: no copy). Returns (out, lse)."""
     _check(q, k_cache, v_cache)
+    host_args = _host_kv_args(host_kv, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_programs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
@@ -403,10 +419,10 @@ def paged_decode_attention(
         q, k_cache, v_cache, part_out, part_lse, cu_query_lens, seq_lens, block_tables, ids, scale * _LOG2E,
         num_splits, q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0), *host_args,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
-        ACCUMULATE=accumulate, num_warps=num_warps, num_stages=num_stages,
+        ACCUMULATE=accumulate, HOST_KV=host_kv is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
@@ -417,6 +433,20 @@ def paged_decode_attention(
             ACCUMULATE=accumulate, num_warps=4,
         )
     return out, lse
+
+
+def _host_kv_args(host_kv: HostKV | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(k delta, v delta, base): the host caches' offsets from the device caches, in elements."""
+    if host_kv is None:
+        return 0, 0, 0
+    for host, cache in ((host_kv.k, k_cache), (host_kv.v, v_cache)):
+        if host.dtype != cache.dtype or host.stride() != cache.stride() or host.shape[1:] != cache.shape[1:]:
+            raise ValueError("host caches need the device caches' dtype, block shape and strides")
+        if cache.is_cuda and not host.is_pinned():
+            raise ValueError("host caches read by a CUDA kernel must be in pinned memory")
+    size = k_cache.element_size()
+    return ((host_kv.k.data_ptr() - k_cache.data_ptr()) // size, (host_kv.v.data_ptr() - v_cache.data_ptr()) // size,
+            host_kv.base)
 
 
 def _new_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.reference import merge_attention_states, paged_attention_reference
+from nanovllm.kernels.reference import HostKV, gather_tokens, merge_attention_states, paged_attention_reference
 
 
 @dataclass
@@ -77,9 +77,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        host_kv: HostKV | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] new tokens; caches: [num_blocks, block_size, Hk, D].
-        Writes k, v into the cache at meta.slot_mapping and returns [T, Hq, D]."""
+        Writes k, v into the cache at meta.slot_mapping and returns [T, Hq, D]. host_kv (decode steps):
+        block-table entries >= host_kv.base name this layer's blocks in host memory, read in place."""
 
     @abstractmethod
     def forward_with_lse(
@@ -135,12 +137,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence's KV as a contiguous [seq_len, Hk, D] tensor."""
-    num_blocks = -(-seq_len // cache.shape[1])
-    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
-
-
 def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
     """Boolean mask letting new token j (at position seq_len - query_len + j) see keys up to itself."""
     if query_len == 1:
@@ -169,15 +165,16 @@ class TorchPagedAttention(AttentionBackend):
         out[0][rows] = merged
         out[1][rows] = merged_lse
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, host_kv=None):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        host_k, host_v, base = host_kv or (None, None, None)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         start = 0
         for query_len, seq_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor):
             qi = q[start : start + query_len].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D for the fused kernels
-            ki = gather_kv(k_cache, table, seq_len).transpose(0, 1)[None]
-            vi = gather_kv(v_cache, table, seq_len).transpose(0, 1)[None]
+            ki = gather_tokens(k_cache, table, seq_len, host_k, base).transpose(0, 1)[None]
+            vi = gather_tokens(v_cache, table, seq_len, host_v, base).transpose(0, 1)[None]
             if group > 1:  # explicit GQA expansion: SDPA's enable_gqa falls back to the slow math kernel
                 ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             if query_len == seq_len:  # no cached prefix: plain causal attention, the fastest SDPA path

@@ -41,8 +41,14 @@ class TritonPagedAttention(AttentionBackend):
             raise RuntimeError("the 'triton' attention backend needs the triton package") from e
         self.ops = triton_paged_attention
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        return self.forward_with_lse(q, k, v, k_cache, v_cache, meta, scale)[0]
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, host_kv=None):
+        if host_kv is None:
+            return self.forward_with_lse(q, k, v, k_cache, v_cache, meta, scale)[0]
+        if not is_decode_step(q, meta):
+            raise ValueError("host-resident KV is read in place by decode steps only")
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.ops.paged_decode_attention(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
+                                               meta.block_tables_tensor, scale, host_kv=host_kv)[0]
 
     def forward_with_lse(
         self,
