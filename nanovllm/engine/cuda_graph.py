@@ -24,8 +24,8 @@ class DecodeGraphs:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
                  offload: Any = None):
-        """offload: the metadata's offload handler during capture (a MappedDecode: the graphs read
-        host-resident KV in place), or None."""
+        """offload: the metadata's offload handler during capture (a StagedDecode: the graphs stage
+        host-resident KV through a ring slot), or None."""
         self.model, self.backend, self.kv_cache, self.offload = model, backend, kv_cache, offload
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.buckets = batch_buckets(max_batch)

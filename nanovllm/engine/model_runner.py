@@ -75,10 +75,9 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return None
-        mapped = offload.MappedDecode(self.offloader, []) if self.offloader else None  # graphs that read host KV
         return DecodeGraphs(self.model, self.backend, self.kv_cache, min(self.config.max_num_seqs, 512),
                             self.config.num_blocks_per_seq_limit, self.block_size, self.num_blocks, self.device,
-                            mapped)
+                            self.offloader.staged if self.offloader else None)
 
     def _make_offloader(self) -> offload.KVOffloader:
         host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
@@ -159,13 +158,13 @@ class ModelRunner:
 
     def _offload_metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
                           slots: list[int], offloads: list[tuple[int, int]]) -> AttentionMetadata:
-        """Decode steps: the tables as they are, host blocks read in place (MappedDecode). Other steps:
-        device blocks in compacted tables for the causal part, host blocks in the step's OffloadStep.
-        Host blocks are full and precede every new token, so dropping them keeps the causal mask right."""
-        if self.offloader.mapped_decode and all(n == 1 for n in query_lens):
-            meta = self.backend.build_metadata(query_lens, seq_lens, tables, slots, self.block_size, self.device)
-            num_host = sum(is_host_block(b) for t in tables for b in t)
-            meta.offload = offload.MappedDecode(self.offloader, offloads, num_host)
+        """Decode steps with few host blocks: staged into a ring slot (StagedDecode). Other steps: device
+        blocks in compacted tables for the causal part, host blocks in the step's OffloadStep. Host
+        blocks are full and precede every new token, so dropping them keeps the causal mask right."""
+        staged = self._stage_decode(query_lens, tables, offloads)
+        if staged is not None:
+            meta = self.backend.build_metadata(query_lens, seq_lens, staged, slots, self.block_size, self.device)
+            meta.offload = self.offloader.staged
             return meta
         located = [[(True, b - HOST_BASE) if is_host_block(b) else (False, b) for b in t[: -(-n // self.block_size)]]
                    for t, n in zip(tables, seq_lens)]
@@ -184,10 +183,10 @@ class ModelRunner:
         offloads: (device block, host block) pairs the block manager moved out since the last step."""
         sampling = [item.seq for item in scheduled if item.samples]
         if self._graph_fits(scheduled, offloads):
-            if self.offloader is not None:
-                num_host = sum(is_host_block(b) for s in sampling for b in s.block_table)
-                offload.MappedDecode(self.offloader, list(offloads), num_host).begin()
-            logits = self._decode_with_graph(sampling)
+            tables = [s.block_table for s in sampling]
+            if self.offloader is not None:  # _graph_fits checked that the host blocks fit one ring slot
+                tables = self.offloader.staged.prepare(tables, list(offloads))
+            logits = self._decode_with_graph(sampling, tables)
         else:
             ids, positions, meta, rows = self._prepare(scheduled, offloads)
             if meta.offload is not None:
@@ -217,23 +216,33 @@ class ModelRunner:
             row += n
 
     def _graph_fits(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]]) -> bool:
-        """A captured decode graph serves the step: all decodes, batch within the buckets, and (unless the
-        graphs read host KV in place) no KV on the host."""
+        """A captured decode graph serves the step: all decodes, batch within the buckets, and no more
+        host blocks than one ring slot holds (the graphs stage them)."""
         if self.graphs is None or not self._is_decode(scheduled) or not self.graphs.fits(len(scheduled)):
             return False
-        if self.offloader is None or self.offloader.mapped_decode:
+        if self.offloader is None:
             return True
-        return not offloads and not any(is_host_block(b) for item in scheduled for b in item.seq.block_table)
+        num_host = sum(is_host_block(b) for item in scheduled for b in item.seq.block_table)
+        if self.offloader.staged_decode:
+            return num_host <= self.offloader.ring_blocks
+        return num_host == 0 and not offloads
+
+    def _stage_decode(self, query_lens: list[int], tables: list[list[int]], offloads: list[tuple[int, int]]
+                      ) -> list[list[int]] | None:
+        """An eager decode step's tables renamed for StagedDecode, or None where it does not apply."""
+        if not self.offloader.staged_decode or any(n != 1 for n in query_lens):
+            return None
+        return self.offloader.staged.prepare(tables, offloads)
 
     @staticmethod
     def _is_decode(scheduled: list[ScheduledSeq]) -> bool:
         return all(item.num_new_tokens == 1 and item.samples for item in scheduled)
 
-    def _decode_with_graph(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode_with_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
         positions = [len(s) - 1 for s in seqs]
         bs = self.block_size
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        return self.graphs.run([s.token_ids[-1] for s in seqs], positions, slots, [s.block_table for s in seqs])
+        return self.graphs.run([s.token_ids[-1] for s in seqs], positions, slots, tables)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:

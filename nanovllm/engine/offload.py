@@ -16,10 +16,12 @@ the step, one layer at a time; each layer waits for its copy before storing new 
 device blocks may be reused in the same step. On the CPU ("device" and host pools both in RAM) the
 streams are absent and every copy is synchronous, which is how the orchestration is tested in CI.
 
-Decode steps (one new token per sequence) skip all of that (`MappedDecode`): each token's query reads
-its KV once, so the decode kernel reads host blocks where they lie, in pinned memory through unified
-addressing (block-table entries >= HOST_BASE), at PCIe speed and without a copy, ring or merge. The
-step is then the same computation as device-only mode, and it replays the same CUDA graphs.
+Decode steps whose host blocks fit one ring slot take another path (`StagedDecode`) that a CUDA graph
+can capture: a gather kernel on the copy stream reads each layer's host blocks through unified
+addressing (pinned memory is mapped into the device's address space) into a ring slot, two layers
+ahead of the compute stream, and the decode kernel reads them from the slot where the block table
+names them (entries >= HOST_BASE). No merge, no per-step copy addresses: the step replays the decode
+graphs with a new list of source blocks.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch
 
 from nanovllm.engine.block_manager import HOST_BASE
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.kernels.reference import HostKV
+from nanovllm.kernels.reference import HostKV, gather_blocks_reference
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, store_kv
 
 RING_SLOTS = 2
@@ -63,7 +65,6 @@ class TransferStats:
     d2h_bytes: int = 0
     h2d_copies: int = 0
     d2h_copies: int = 0
-    mapped_bytes: int = 0  # host KV read in place by decode kernels (MappedDecode)
 
 
 @dataclass
@@ -98,8 +99,8 @@ class KVOffloader:
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
         self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
         self.stats = TransferStats()
-        self.host_layers = [HostKV(self.host[0, layer], self.host[1, layer], HOST_BASE) for layer in range(num_layers)]
-        self.mapped_decode = True  # decode steps read host KV in place; False: through the ring (for comparison)
+        self.staged = StagedDecode(self)
+        self.staged_decode = True  # False: every decode step over host KV takes the eager ring path (a peer)
 
     def copy_out(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
         """Copy one layer's (device start, host start, n) runs to the host pool on the current stream."""
@@ -284,26 +285,71 @@ class OffloadStep:
             self._fill(unit + RING_SLOTS)
 
 
-class MappedDecode:
-    """A decode step over device and host blocks, the host ones read in place by the decode kernel
-    (module docstring). Blocks the step's scheduling moved out are copied to the host first, on the
-    compute stream: kernels behind them in stream order then see them, and no device block is reused
-    before its copy is done. `attention` does no per-step work, so the step can run in a CUDA graph."""
+class StagedDecode:
+    """Decode steps whose host blocks fit one ring slot (module docstring). `prepare` sets a step's
+    source blocks in a static device tensor; `attention` (called by every layer, in order) enqueues the
+    gathers and waits; nothing in it depends on the step, so the decode graphs capture it."""
 
-    def __init__(self, offloader: KVOffloader, offloads: list[tuple[int, int]], num_host_blocks: int = 0):
-        """num_host_blocks: host blocks the step's tables name (counted as read, once per layer)."""
+    def __init__(self, offloader: KVOffloader):
         self.o = offloader
-        self.offload_runs = consecutive_runs(sorted(offloads))
-        self.num_host_blocks = num_host_blocks
+        self.cuda = offloader.h2d_stream is not None
+        n = offloader.ring_blocks
+        self.sources = torch.full((n,), -1, dtype=torch.int64, device=offloader.device)  # host block per position
+        self.staging = torch.full((n,), -1, dtype=torch.int64, pin_memory=self.cuda)
+        self.copied: list[torch.cuda.Event | None] = [None] * offloader.num_layers
 
-    def begin(self) -> None:
-        self.o.stats.mapped_bytes += self.num_host_blocks * self.o.num_layers * self.o.block_bytes_per_layer
+    def prepare(self, tables: list[list[int]], offloads: list[tuple[int, int]]) -> list[list[int]] | None:
+        """Number the step's host blocks 0, 1, ... (their slot positions) and return the tables with those
+        entries renamed HOST_BASE + position; None when they do not fit one slot. Blocks the step's
+        scheduling moved out are copied to the host first, on the compute stream."""
+        host_ids = [b - HOST_BASE for t in tables for b in t if b >= HOST_BASE]
+        if len(host_ids) > self.o.ring_blocks:
+            return None
         if self.o.last_d2h is not None:  # host blocks an earlier step copied out on the side stream
             torch.cuda.current_stream(self.o.device).wait_event(self.o.last_d2h)
-        if self.offload_runs:
-            for layer in range(self.o.num_layers):
-                self.o.copy_out(layer, self.offload_runs)
+        runs = consecutive_runs(sorted(offloads))
+        for layer in range(self.o.num_layers if runs else 0):
+            self.o.copy_out(layer, runs)
+        staging = self.staging.numpy()
+        staging[:] = -1
+        staging[: len(host_ids)] = host_ids
+        self.sources.copy_(self.staging, non_blocking=True)
+        self.o.count("h2d", n=self.o.num_layers, blocks=len(host_ids) * self.o.num_layers)
+        position = iter(range(HOST_BASE, HOST_BASE + len(host_ids)))
+        return [[next(position) if b >= HOST_BASE else b for b in t] for t in tables]
+
+    def begin(self) -> None:
+        """Nothing to enqueue before the forward: `prepare` did the step's host-side work."""
 
     def attention(self, layer: int, backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return backend.forward(q, k, v, k_cache, v_cache, meta, scale, host_kv=self.o.host_layers[layer])
+        compute = torch.cuda.current_stream(self.o.device) if self.cuda else None
+        if layer == 0:
+            if self.cuda:
+                self.o.h2d_stream.wait_stream(compute)
+            for first in range(min(RING_SLOTS, self.o.num_layers)):
+                self._stage(first)
+        slot = layer % RING_SLOTS
+        if self.cuda:
+            compute.wait_event(self.copied[layer])
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, scale,
+                              host_kv=HostKV(self.o.ring[0, slot], self.o.ring[1, slot], HOST_BASE))
+        if layer + RING_SLOTS < self.o.num_layers:
+            if self.cuda:
+                self.o.h2d_stream.wait_stream(compute)  # the slot is free once this layer's attention ran
+            self._stage(layer + RING_SLOTS)
+        return out
+
+    def _stage(self, layer: int) -> None:
+        """Gather layer's host blocks into ring slot layer % RING_SLOTS (on the copy stream)."""
+        slot = layer % RING_SLOTS
+        args = (self.o.ring[0, slot], self.o.ring[1, slot], self.o.host[0, layer], self.o.host[1, layer], self.sources)
+        if not self.cuda:
+            gather_blocks_reference(*args)
+            return
+        from nanovllm.kernels.triton_gather import gather_blocks
+
+        with torch.cuda.stream(self.o.h2d_stream):
+            gather_blocks(*args)
+            self.copied[layer] = torch.cuda.Event()
+            self.copied[layer].record(self.o.h2d_stream)

@@ -442,8 +442,8 @@ def _host_kv_args(host_kv: HostKV | None, k_cache: torch.Tensor, v_cache: torch.
     for host, cache in ((host_kv.k, k_cache), (host_kv.v, v_cache)):
         if host.dtype != cache.dtype or host.stride() != cache.stride() or host.shape[1:] != cache.shape[1:]:
             raise ValueError("host caches need the device caches' dtype, block shape and strides")
-        if cache.is_cuda and not host.is_pinned():
-            raise ValueError("host caches read by a CUDA kernel must be in pinned memory")
+        if host.device != cache.device and not (cache.is_cuda and host.is_pinned()):
+            raise ValueError("other caches read by a CUDA kernel must be on its device or in pinned host memory")
     size = k_cache.element_size()
     return ((host_kv.k.data_ptr() - k_cache.data_ptr()) // size, (host_kv.v.data_ptr() - v_cache.data_ptr()) // size,
             host_kv.base)
