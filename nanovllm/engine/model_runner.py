@@ -184,7 +184,7 @@ class ModelRunner:
         sampling = [item.seq for item in scheduled if item.samples]
         if self._graph_fits(scheduled, offloads):
             tables = [s.block_table for s in sampling]
-            if self.offloader is not None:  # _graph_fits checked that the host blocks fit one ring slot
+            if self.offloader is not None:  # _graph_fits checked that the host blocks are few enough to stage
                 tables = self.offloader.staged.prepare(tables, list(offloads))
             logits = self._decode_with_graph(sampling, tables)
         else:
@@ -216,15 +216,15 @@ class ModelRunner:
             row += n
 
     def _graph_fits(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]]) -> bool:
-        """A captured decode graph serves the step: all decodes, batch within the buckets, and no more
-        host blocks than one ring slot holds (the graphs stage them)."""
+        """A captured decode graph serves the step: all decodes, batch within the buckets, and at most
+        staged_max_blocks host blocks (the graphs stage them)."""
         if self.graphs is None or not self._is_decode(scheduled) or not self.graphs.fits(len(scheduled)):
             return False
         if self.offloader is None:
             return True
         num_host = sum(is_host_block(b) for item in scheduled for b in item.seq.block_table)
         if self.offloader.staged_decode:
-            return num_host <= self.offloader.ring_blocks
+            return num_host <= self.offloader.staged_max_blocks
         return num_host == 0 and not offloads
 
     def _stage_decode(self, query_lens: list[int], tables: list[list[int]], offloads: list[tuple[int, int]]

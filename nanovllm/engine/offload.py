@@ -16,8 +16,8 @@ the step, one layer at a time; each layer waits for its copy before storing new 
 device blocks may be reused in the same step. On the CPU ("device" and host pools both in RAM) the
 streams are absent and every copy is synchronous, which is how the orchestration is tested in CI.
 
-Decode steps whose host blocks fit one ring slot take another path (`StagedDecode`) that a CUDA graph
-can capture: a gather kernel on the copy stream reads each layer's host blocks through unified
+Decode steps with few host blocks (up to STAGED_MAX_BYTES per layer) take another path (`StagedDecode`)
+that a CUDA graph can capture: a gather kernel on the copy stream reads each layer's host blocks through unified
 addressing (pinned memory is mapped into the device's address space) into a ring slot, two layers
 ahead of the compute stream, and the decode kernel reads them from the slot where the block table
 names them (entries >= HOST_BASE). No merge, no per-step copy addresses: the step replays the decode
@@ -37,6 +37,10 @@ from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, store
 
 RING_SLOTS = 2
 RING_SLOT_BYTES = 256 * 2**20  # per slot; a 128-block slot of Llama-8B-shaped KV (1 MiB per block and layer)
+# Host KV per layer up to which decode steps are staged in CUDA graphs. Beyond it the eager split path
+# wins on the H200: each layer's copy (>= 1.2 ms) hides the ~1-1.4 ms of launch work per layer, and the
+# copy engines move 54 GB/s where the gather kernel, sharing SMs with the layer's compute, moves ~47.
+STAGED_MAX_BYTES = 64 * 2**20
 
 
 def consecutive_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -99,8 +103,9 @@ class KVOffloader:
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
         self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
         self.stats = TransferStats()
+        self.staged_max_blocks = max(1, min(ring_blocks, STAGED_MAX_BYTES // self.block_bytes_per_layer))
         self.staged = StagedDecode(self)
-        self.staged_decode = True  # False: every decode step over host KV takes the eager ring path (a peer)
+        self.staged_decode = True  # False: every decode step over host KV takes the eager split path (a peer)
 
     def copy_out(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
         """Copy one layer's (device start, host start, n) runs to the host pool on the current stream."""
@@ -286,7 +291,7 @@ class OffloadStep:
 
 
 class StagedDecode:
-    """Decode steps whose host blocks fit one ring slot (module docstring). `prepare` sets a step's
+    """Decode steps with at most staged_max_blocks host blocks (module docstring). `prepare` sets a step's
     source blocks in a static device tensor; `attention` (called by every layer, in order) enqueues the
     gathers and waits; nothing in it depends on the step, so the decode graphs capture it."""
 
@@ -300,10 +305,10 @@ class StagedDecode:
 
     def prepare(self, tables: list[list[int]], offloads: list[tuple[int, int]]) -> list[list[int]] | None:
         """Number the step's host blocks 0, 1, ... (their slot positions) and return the tables with those
-        entries renamed HOST_BASE + position; None when they do not fit one slot. Blocks the step's
+        entries renamed HOST_BASE + position; None when there are more than staged_max_blocks. Blocks the step's
         scheduling moved out are copied to the host first, on the compute stream."""
         host_ids = [b - HOST_BASE for t in tables for b in t if b >= HOST_BASE]
-        if len(host_ids) > self.o.ring_blocks:
+        if len(host_ids) > self.o.staged_max_blocks:
             return None
         if self.o.last_d2h is not None:  # host blocks an earlier step copied out on the side stream
             torch.cuda.current_stream(self.o.device).wait_event(self.o.last_d2h)
