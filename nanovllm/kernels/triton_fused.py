@@ -14,6 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_interpreter import patch_if_interpreting
+
+patch_if_interpreting()
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):

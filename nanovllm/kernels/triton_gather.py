@@ -12,6 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_interpreter import patch_if_interpreting
+
+patch_if_interpreting()
+
 CHUNK = 8192  # elements per program
 
 

@@ -40,6 +40,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.reference import HostKV
+from nanovllm.kernels.triton_interpreter import patch_if_interpreting
+
+patch_if_interpreting()
 
 _LOG2E = 1.4426950408889634
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -50,25 +53,6 @@ WAVES = 4  # decode aims for this many programs per SM
 DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is present (interpreter)
 
 
-def _patch_interpreter_scalar_index() -> None:
-    """Triton 3.6's CPU interpreter turns scalars into Python ints with int(ndarray of shape (1,)),
-    which numpy >= 2.4 rejects, so `range(tensor_lo, tensor_hi)` fails. Convert via the first element."""
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_nanovllm_patched", False):
-        return
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._nanovllm_patched = True
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_scalar_index()
 
 
 @triton.jit

@@ -3,7 +3,8 @@
 Sampling draws exponential noise E and takes argmax(p / E), which picks token i with probability
 p_i; it is computed as argmax(scores - log E) on the filtered, temperature-scaled logits, which is the
 same argmax without a softmax pass. The noise of a seeded request comes from its own generator, so
-its tokens do not depend on what else is in the batch.
+its tokens do not depend on what else is in the batch. On CUDA, batches without top-k/top-p/min-p use
+a one-pass Triton kernel instead (Gumbel-max with in-kernel Philox noise: the same distribution).
 """
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def sample(
     default_generator: torch.Generator | None,
 ) -> SamplerOutput:
     """logits: [B, V] float32. Returns one token per row."""
+    if logits.is_cuda and not all(p.greedy for p in params) and not any(_filters(p, logits.shape[-1]) for p in params):
+        tokens = _fused_sample(logits, params, generators, default_generator)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _logprobs(logits, token_list, params))
     tokens = logits.argmax(dim=-1)
     if not all(p.greedy for p in params):
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -65,6 +70,25 @@ def sample(
         tokens = torch.where(greedy, tokens, sampled)
     token_list = tokens.tolist()
     return SamplerOutput(token_list, _logprobs(logits, token_list, params))
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0
+
+
+def _fused_sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                  default_generator: torch.Generator | None) -> torch.Tensor:
+    """Temperature sampling in one Triton pass (kernels/triton_sampler.py): each row's Gumbel noise comes
+    from a Philox seed drawn from its own generator when seeded, else from the default generator."""
+    from nanovllm.kernels.triton_sampler import sample_tokens
+
+    device = logits.device
+    temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+    seeds = torch.randint(0, 2**62, (len(params),), device=device, generator=default_generator)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            seeds[i] = torch.randint(0, 2**62, (1,), device=device, generator=gen)[0]
+    return sample_tokens(logits, temps.to(device, non_blocking=True), seeds)
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[dict[int, float] | None]:
