@@ -5,7 +5,7 @@ seed 0, on a Qwen3-0.6B-shaped model with random bf16 weights (bench/configs/qwe
 Floor: bytes that must cross HBM (weights once per decode step + each sequence's KV once per step)
 over the copy bandwidth measured in this process.
 
-    PYTHONPATH=. python3 bench/throughput.py [--num-seqs 256] [--hf-seqs 32 --hf-tokens 128]
+    PYTHONPATH=. python3 bench/throughput.py [--num-seqs 256] [--hf-seqs 32 --hf-tokens 128] [--async-scheduling]
 """
 from __future__ import annotations
 
@@ -61,11 +61,13 @@ def main() -> None:
     ap.add_argument("--hf-seqs", type=int, default=32, help="HF runs this many of the prompts (0: skip HF)")
     ap.add_argument("--hf-tokens", type=int, default=128, help="new tokens per sequence in the HF comparison")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true", help="launch each step before the last one's tokens are on the host")
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
     log(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
-    llm = LLM(args.config, load_format="dummy", max_model_len=2 * args.max_len + 16, enforce_eager=args.enforce_eager)
+    llm = LLM(args.config, load_format="dummy", max_model_len=2 * args.max_len + 16, enforce_eager=args.enforce_eager,
+              async_scheduling=args.async_scheduling)
     vocab = llm.config.hf_config["vocab_size"]
     prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, vocab)
     # Warm-up on other prompts (no prefix-cache hits later) that, like the workload, mix chunked prefills
@@ -76,7 +78,8 @@ def main() -> None:
     floor = hbm_floor_seconds(llm, prompts, out_lens, bandwidth)
     results = {"num_seqs": args.num_seqs, "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                "hbm_floor_s": floor, "floor_tok_s": tokens / floor, "fraction_of_floor": floor / seconds,
-               "backend": llm.runner.backend.name, "cuda_graphs": llm.runner.graphs is not None}
+               "backend": llm.runner.backend.name, "cuda_graphs": llm.runner.graphs is not None,
+               "async_scheduling": args.async_scheduling}
     log(f"nanovllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
         f"HBM floor {floor:.2f} s ({tokens / floor:,.0f} tok/s): {100 * floor / seconds:.1f}% of the floor")
     if args.hf_seqs:

@@ -25,6 +25,7 @@ _HELP = {
     "enable_cpu_offload": "keep KV blocks beyond the device pool in pinned host memory, streamed back per layer",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "enforce_eager": "disable CUDA graphs",
+    "async_scheduling": "schedule and launch the next step before this step's tokens reach the host",
     "tensor_parallel_size": "GPUs per model (only 1 for now)",
     "dtype": "auto, float32, float16 or bfloat16",
     "device": "auto, cuda or cpu",

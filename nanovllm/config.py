@@ -26,6 +26,7 @@ class EngineConfig:
     enable_cpu_offload: bool = False  # blocks beyond the device pool live in host memory and are streamed back
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = False  # launch step N+1 before step N's tokens reach the host (see LLMEngine)
     tensor_parallel_size: int = 1
     dtype: str = "auto"
     device: str = "auto"

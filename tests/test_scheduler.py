@@ -36,7 +36,8 @@ class Sim:
     def __init__(self, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  enable_prefix_caching: bool = True, seed: int = 0, block_size: int = BS, num_host_blocks: int = 0):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, num_host_blocks)
-        config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_model_len=max_model_len)
         self.sched = Scheduler(config, self.bm)
         self.bs = block_size
         self.max_model_len = max_model_len

@@ -15,6 +15,11 @@ from torch import nn
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 
 
+def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    """ids with each -(row + 1) replaced by last_tokens[row], on the device (no host sync)."""
+    return torch.where(ids < 0, last_tokens[(-1 - ids).clamp(min=0)], ids)
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes + [max_batch]))
@@ -23,10 +28,12 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
-                 offload: Any = None):
-        """offload: the metadata's offload handler during capture (a StagedDecode: the graphs stage
+                 last_tokens: torch.Tensor, offload: Any = None):
+        """last_tokens: where an input id -(row + 1) is read from (the previous step's sampled tokens);
+        offload: the metadata's offload handler during capture (a StagedDecode: the graphs stage
         host-resident KV through a ring slot), or None."""
         self.model, self.backend, self.kv_cache, self.offload = model, backend, kv_cache, offload
+        self.last_tokens = last_tokens
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.buckets = batch_buckets(max_batch)
         n = self.buckets[-1]
@@ -54,7 +61,8 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         self.seq_lens[:bs].copy_(self.positions[:bs] + 1)
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache, self._metadata(bs))
+        ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
+        hidden = self.model(ids, self.positions[:bs], self.kv_cache, self._metadata(bs))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -1,6 +1,12 @@
 """The engine core: admission, one scheduling loop step at a time, detokenization and stop checks.
 
 `step()` is the whole loop body, so an offline `generate()` and an online server drive the same code.
+
+With async_scheduling, a step launches its forward pass and sampling without waiting for them, then
+processes the previous step's tokens while the device works: sampled tokens feed the next step on
+the device, and each sampling sequence carries a PLACEHOLDER until its token reaches the host. A
+sequence that stops (EOS, stop string) has then already been scheduled once more; that token is
+dropped. Steps with a request that wants logprobs or prompt logprobs run synchronously.
 """
 from __future__ import annotations
 
@@ -12,9 +18,9 @@ from pathlib import Path
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -56,6 +62,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
         self._ids = itertools.count()
+        self._pending: tuple[PendingTokens, list[int]] | None = None  # async: launched tokens, their indices
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -127,39 +134,81 @@ class LLMEngine:
         an output per running request per step."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            if self._pending is not None:
+                return self._resolve_pending(final_only)
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are pending")
             return []
-        sampled = self.runner.run(scheduled, self.block_manager.take_pending_offloads())
-        self.scheduler.mark_computed(scheduled)
+        offloads = self.block_manager.take_pending_offloads()
+        if self.config.async_scheduling and not any(_wants_logits(item.seq.params) for item in scheduled):
+            return self._launch(scheduled, offloads, final_only)
         outputs = []
+        if self._pending is not None:
+            outputs = self._resolve_pending(final_only)
+            scheduled = [item for item in scheduled if not item.seq.is_finished]  # stopped by that token
+        sampled = self.runner.run(scheduled, offloads)
+        self.scheduler.mark_computed(scheduled)
         for seq_id, (token, logprobs) in sampled.items():
             req = self._by_seq_id[seq_id]
-            self._append(req, token, logprobs)
-            if not final_only or req.seq.is_finished:
-                outputs.append(self._output(req))
-            if req.seq.is_finished:
-                del self.requests[req.request_id], self._by_seq_id[seq_id]
+            req.seq.append_token(token)
+            self._after_token(req, token, logprobs, final_only, outputs)
         return outputs
 
-    def _append(self, req: _Request, token: int, logprobs: dict[int, float] | None) -> None:
-        seq, params = req.seq, req.seq.params
-        seq.append_token(token)
+    def _launch(self, scheduled, offloads, final_only: bool) -> list[RequestOutput]:
+        """Async: enqueue this step, then process the previous one's tokens while the device runs."""
+        pending = self.runner.launch(scheduled, offloads)
+        self.scheduler.mark_computed([item for item in scheduled if not item.samples])
+        self.scheduler.mark_computed([item for item in scheduled if item.samples], register=False)
+        indices = []
+        for seq in pending.seqs:
+            indices.append(len(seq))
+            seq.token_ids.append(PLACEHOLDER)
+        outputs = self._resolve_pending(final_only) if self._pending is not None else []
+        if not all(seq.is_finished for seq in pending.seqs):  # else every token of it would be dropped
+            self._pending = (pending, indices)
+        return outputs
+
+    def _resolve_pending(self, final_only: bool) -> list[RequestOutput]:
+        """Put the launched step's tokens in place of their placeholders, then stop checks as usual."""
+        (pending, indices), self._pending = self._pending, None
+        outputs: list[RequestOutput] = []
+        for seq, index, token in zip(pending.seqs, indices, pending.tolist()):
+            req = self._by_seq_id.get(seq.seq_id)
+            if req is None or seq.is_finished:  # aborted, or stopped by the previous token
+                continue
+            seq.set_token(index, token)
+            self.block_manager.register_computed_blocks(seq)
+            self._after_token(req, token, None, final_only, outputs, num_tokens=index + 1)
+        return outputs
+
+    def _after_token(self, req: _Request, token: int, logprobs: dict[int, float] | None, final_only: bool,
+                     outputs: list[RequestOutput], num_tokens: int | None = None) -> None:
+        """Bookkeeping of a token that is in place at position num_tokens - 1 (default: the last)."""
+        seq = req.seq
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         if req.detokenizer is not None:
             seq.output_text += req.detokenizer.add(token)
-        reason = None
-        if not params.ignore_eos and token in self.eos_token_ids:
-            reason = "stop"
-        elif token in params.stop_token_ids:
-            reason = "stop"
-        elif params.stop and self._match_stop_string(req):
-            reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
-            reason = "length"
+        reason = self._stop_reason(req, token, num_tokens or len(seq))
         if reason:
+            del seq.token_ids[num_tokens or len(seq):]  # a placeholder launched after it (async)
             self.scheduler.finish(seq, reason)
+        if not final_only or seq.is_finished:
+            outputs.append(self._output(req))
+        if seq.is_finished:
+            del self.requests[req.request_id], self._by_seq_id[seq.seq_id]
+
+    def _stop_reason(self, req: _Request, token: int, num_tokens: int) -> str | None:
+        params = req.seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._match_stop_string(req):
+            return "stop"
+        if num_tokens - req.seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
 
     def _match_stop_string(self, req: _Request) -> bool:
         text = req.seq.output_text
@@ -179,11 +228,18 @@ class LLMEngine:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         metrics = RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
                                  seq.finish_time, seq.num_cached_tokens, seq.num_preemptions)
-        completion = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason,
+        token_ids = seq.output_token_ids
+        if token_ids and token_ids[-1] == PLACEHOLDER:  # the next token, launched but not yet here (async)
+            token_ids.pop()
+        completion = CompletionOutput(0, text, token_ids, seq.finish_reason,
                                       list(seq.logprobs) if seq.params.logprobs is not None else None)
         prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, seq.prompt, req.prompt_token_ids, [completion], seq.is_finished, metrics,
                              prompt_logprobs)
+
+
+def _wants_logits(params: SamplingParams) -> bool:
+    return params.logprobs is not None or params.prompt_logprobs is not None
 
 
 def _load_tokenizer(model_dir: Path):

@@ -6,15 +6,15 @@ from pathlib import Path
 import torch
 
 from nanovllm.config import EngineConfig
-from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.cuda_graph import DecodeGraphs, resolve_placeholders
 from nanovllm.engine.block_manager import HOST_BASE, is_host_block
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine import offload
 from nanovllm.engine.scheduler import ScheduledSeq
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
 from nanovllm.layers.fused_ops import get_layer_ops
-from nanovllm.layers.sampler import SamplerOutput, logprob_entries, sample
+from nanovllm.layers.sampler import SamplerOutput, logprob_entries, sample, sample_on_device
 from nanovllm.models.loader import build_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -70,6 +70,9 @@ class ModelRunner:
         self.offloader = self._make_offloader() if config.enable_cpu_offload else None
         self.num_host_blocks = self.offloader.host.shape[2] if self.offloader else 0
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        # The last launch()'s sampled tokens, on the device, and each sampling sequence's row in them.
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._last_rows: dict[int, int] = {}
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -77,7 +80,7 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.model, self.backend, self.kv_cache, min(self.config.max_num_seqs, 512),
                             self.config.num_blocks_per_seq_limit, self.block_size, self.num_blocks, self.device,
-                            self.offloader.staged if self.offloader else None)
+                            self.last_tokens, self.offloader.staged if self.offloader else None)
 
     def _make_offloader(self) -> offload.KVOffloader:
         host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
@@ -142,6 +145,8 @@ class ModelRunner:
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             ids.extend(seq.token_ids[start : start + n])
+            if ids[-1] == PLACEHOLDER:  # only ever a sequence's last token
+                ids[-1] = self._input_id(seq, PLACEHOLDER)
             positions.extend(range(start, start + n))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
@@ -154,7 +159,7 @@ class ModelRunner:
         else:
             meta = self._offload_metadata(query_lens, seq_lens, tables, slots, list(offloads))
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), meta, sample_rows
+        return resolve_placeholders(as_tensor(ids), self.last_tokens), as_tensor(positions), meta, sample_rows
 
     def _offload_metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
                           slots: list[int], offloads: list[tuple[int, int]]) -> AttentionMetadata:
@@ -182,24 +187,48 @@ class ModelRunner:
         """One forward pass; returns {seq_id: (sampled token, logprobs)} for sequences that sample.
         offloads: (device block, host block) pairs the block manager moved out since the last step."""
         sampling = [item.seq for item in scheduled if item.samples]
-        if self._graph_fits(scheduled, offloads):
-            tables = [s.block_table for s in sampling]
-            if self.offloader is not None:  # _graph_fits checked that the host blocks are few enough to stage
-                tables = self.offloader.staged.prepare(tables, list(offloads))
-            logits = self._decode_with_graph(sampling, tables)
-        else:
-            ids, positions, meta, rows = self._prepare(scheduled, offloads)
-            if meta.offload is not None:
-                meta.offload.begin()
-            hidden = self.model(ids, positions, self.kv_cache, meta)
-            self._prompt_logprobs(hidden, scheduled)
-            if not sampling:
-                return {}
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self._logits(scheduled, offloads, sampling)
+        if logits is None:
+            return {}
         out: SamplerOutput = sample(
             logits, [s.params for s in sampling], [self._generator(s) for s in sampling], self.default_generator
         )
         return {s.seq_id: (t, lp) for s, t, lp in zip(sampling, out.token_ids, out.logprobs)}
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]] = ()) -> PendingTokens:
+        """Like run() without logprobs, but nothing waits for the device: the sampled tokens stay there
+        (also as the next step's inputs where a sequence's last token is a PLACEHOLDER) and are copied
+        to the host in the background."""
+        sampling = [item.seq for item in scheduled if item.samples]
+        logits = self._logits(scheduled, offloads, sampling)
+        if logits is None:
+            return PendingTokens([], None)
+        tokens = sample_on_device(logits, [s.params for s in sampling], [self._generator(s) for s in sampling],
+                                  self.default_generator)
+        self.last_tokens[: len(sampling)].copy_(tokens)
+        self._last_rows = {s.seq_id: i for i, s in enumerate(sampling)}
+        return PendingTokens(sampling, tokens)
+
+    def _logits(self, scheduled: list[ScheduledSeq], offloads, sampling: list[Sequence]) -> torch.Tensor | None:
+        """The forward pass: logits of the sampling rows (None when no sequence samples this step)."""
+        if self._graph_fits(scheduled, offloads):
+            tables = [s.block_table for s in sampling]
+            if self.offloader is not None:  # _graph_fits checked that the host blocks are few enough to stage
+                tables = self.offloader.staged.prepare(tables, list(offloads))
+            return self._decode_with_graph(sampling, tables)
+        ids, positions, meta, rows = self._prepare(scheduled, offloads)
+        if meta.offload is not None:
+            meta.offload.begin()
+        hidden = self.model(ids, positions, self.kv_cache, meta)
+        self._prompt_logprobs(hidden, scheduled)
+        if not sampling:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def _input_id(self, seq: Sequence, token: int) -> int:
+        """A token id, or for a PLACEHOLDER -(row + 1): its row in last_tokens (resolved on the device)."""
+        return token if token != PLACEHOLDER else -1 - self._last_rows[seq.seq_id]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledSeq], rows_per_chunk: int = 1024) -> None:
         """Append, for requests that asked, the logprob of each prompt token this step's rows predict."""
@@ -242,7 +271,7 @@ class ModelRunner:
         positions = [len(s) - 1 for s in seqs]
         bs = self.block_size
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        return self.graphs.run([s.token_ids[-1] for s in seqs], positions, slots, tables)
+        return self.graphs.run([self._input_id(s, s.token_ids[-1]) for s in seqs], positions, slots, tables)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
@@ -250,3 +279,22 @@ class ModelRunner:
         if seq.generator is None:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
         return seq.generator
+
+
+class PendingTokens:
+    """Tokens sampled by a launched step, on their way to the host."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None):
+        self.seqs = seqs
+        self.ready: torch.cuda.Event | None = None
+        self.host = tokens
+        if tokens is not None and tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [] if self.host is None else self.host.tolist()

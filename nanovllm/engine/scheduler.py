@@ -33,6 +33,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -51,6 +52,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._ends_by_length(seq):  # its pending token (async scheduling) is its last one
+                i += 1
+                continue
             n = self._reserve(seq, min(seq.num_uncomputed_tokens, budget))
             if n == 0:  # no room even after offloading: free the newest sequence, then retry
                 victim = self.running.pop()
@@ -82,6 +86,9 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len
 
     def _reserve(self, seq: Sequence, n: int) -> int:
         """Give seq KV blocks for its next n tokens, or for as many as fit after offloading; returns
@@ -115,10 +122,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def mark_computed(self, scheduled: list[ScheduledSeq]) -> None:
+    def mark_computed(self, scheduled: list[ScheduledSeq], register: bool = True) -> None:
+        """Advance the computed counts; register: also hash newly full blocks for prefix caching (not
+        while a block may still hold a PLACEHOLDER: the engine registers those when tokens arrive)."""
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_computed_blocks(item.seq)
+            if register:
+                self.block_manager.register_computed_blocks(item.seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove seq from the queues, free its blocks and mark it finished."""

@@ -14,6 +14,9 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+PLACEHOLDER = -1  # a sampled token still on the device (async scheduling)
+
+
 class Sequence:
     _ids = itertools.count()
 
@@ -68,6 +71,12 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.token_ids.append(token_id)
+
+    def set_token(self, index: int, token_id: int) -> None:
+        """Fill a PLACEHOLDER appended when the token's step was launched (async scheduling)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.token_ids[index] = token_id
 
     def reset_for_recompute(self) -> None:
         """Preempted: the KV is dropped; prompt and generated tokens are recomputed later."""

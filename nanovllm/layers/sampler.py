@@ -54,10 +54,19 @@ def sample(
     default_generator: torch.Generator | None,
 ) -> SamplerOutput:
     """logits: [B, V] float32. Returns one token per row."""
+    token_list = sample_on_device(logits, params, generators, default_generator).tolist()
+    return SamplerOutput(token_list, _logprobs(logits, token_list, params))
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The sampled tokens as an int64 tensor on logits' device, without waiting for the device."""
     if logits.is_cuda and not all(p.greedy for p in params) and not any(_filters(p, logits.shape[-1]) for p in params):
-        tokens = _fused_sample(logits, params, generators, default_generator)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _logprobs(logits, token_list, params))
+        return _fused_sample(logits, params, generators, default_generator)
     tokens = logits.argmax(dim=-1)
     if not all(p.greedy for p in params):
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -68,8 +77,7 @@ def sample(
                 noise[i].exponential_(generator=gen)
         sampled = torch.sub(scores, noise.log_()).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
-    token_list = tokens.tolist()
-    return SamplerOutput(token_list, _logprobs(logits, token_list, params))
+    return tokens
 
 
 def _filters(p: SamplingParams, vocab: int) -> bool:
