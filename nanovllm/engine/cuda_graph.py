@@ -43,6 +43,8 @@ class DecodeGraphs:
         self.rows = torch.empty(n, 3 + max_blocks_per_seq, dtype=torch.int64, device=device)
         self._fill_padding(self.staging.numpy(), 0, n)
         self.rows.copy_(self.staging)
+        self.staged = torch.cuda.Event()  # the last copy out of staging (it is refilled only after it)
+        self.staged.record()
         self.input_ids, self.positions, self.slot_mapping = self.rows[:, 0], self.rows[:, 1], self.rows[:, 2]
         self.block_tables = self.rows[:, 3:]
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # positions + 1, computed in the graph
@@ -91,6 +93,7 @@ class DecodeGraphs:
         """Replay the decode graph for len(token_ids) sequences; returns their logits [B, vocab]."""
         b = len(token_ids)
         bs = next(size for size in self.buckets if size >= b)
+        self.staged.synchronize()  # with async scheduling the previous step's copy may still be queued
         rows = self.staging.numpy()
         rows[:b, 0], rows[:b, 1], rows[:b, 2] = token_ids, positions, slots
         rows[:b, 3:] = self.scratch_block
@@ -98,6 +101,7 @@ class DecodeGraphs:
             row[3 : 3 + len(table)] = table
         self._fill_padding(rows, b, bs)  # rows left from a larger batch must not write real KV slots
         self.rows[:bs].copy_(self.staging[:bs], non_blocking=True)
+        self.staged.record()
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.logits[bs][:b]

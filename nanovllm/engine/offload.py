@@ -301,6 +301,7 @@ class StagedDecode:
         n = offloader.ring_blocks
         self.sources = torch.full((n,), -1, dtype=torch.int64, device=offloader.device)  # host block per position
         self.staging = torch.full((n,), -1, dtype=torch.int64, pin_memory=self.cuda)
+        self.staged: torch.cuda.Event | None = None  # the last copy out of staging (refill only after it)
         self.copied: list[torch.cuda.Event | None] = [None] * offloader.num_layers
 
     def prepare(self, tables: list[list[int]], offloads: list[tuple[int, int]]) -> list[list[int]] | None:
@@ -315,10 +316,15 @@ class StagedDecode:
         runs = consecutive_runs(sorted(offloads))
         for layer in range(self.o.num_layers if runs else 0):
             self.o.copy_out(layer, runs)
+        if self.staged is not None:
+            self.staged.synchronize()
         staging = self.staging.numpy()
         staging[:] = -1
         staging[: len(host_ids)] = host_ids
         self.sources.copy_(self.staging, non_blocking=True)
+        if self.cuda:
+            self.staged = torch.cuda.Event()
+            self.staged.record()
         self.o.count("h2d", n=self.o.num_layers, blocks=len(host_ids) * self.o.num_layers)
         position = iter(range(HOST_BASE, HOST_BASE + len(host_ids)))
         return [[next(position) if b >= HOST_BASE else b for b in t] for t in tables]
