@@ -224,7 +224,7 @@ class ModelRunner:
         self._prompt_logprobs(hidden, scheduled)
         if not sampling:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(hidden[torch.tensor(rows).to(self.device, non_blocking=True)])
 
     def _input_id(self, seq: Sequence, token: int) -> int:
         """A token id, or for a PLACEHOLDER -(row + 1): its row in last_tokens (resolved on the device)."""

@@ -28,10 +28,10 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     vocab = logits.shape[-1]
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, device=device)[:, None]
+        logits = logits / _to(device, temps)[:, None]
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = _to(device, [p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+        top_p = _to(device, [p.top_p for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         drop = rank >= top_k[:, None]
@@ -40,7 +40,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         drop |= mass_before >= top_p[:, None]  # keep the smallest prefix reaching top_p (always >= 1 token)
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = _to(device, [p.min_p for p in params])
         probs = logits.softmax(dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -69,7 +69,7 @@ def sample_on_device(
         return _fused_sample(logits, params, generators, default_generator)
     tokens = logits.argmax(dim=-1)
     if not all(p.greedy for p in params):
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        greedy = _to(logits.device, [p.greedy for p in params])
         scores = filter_logits(logits, params)
         noise = torch.empty_like(scores).exponential_(generator=default_generator)
         for i, gen in enumerate(generators):
@@ -78,6 +78,11 @@ def sample_on_device(
         sampled = torch.sub(scores, noise.log_()).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens
+
+
+def _to(device: torch.device, values: list) -> torch.Tensor:
+    """A small per-row parameter tensor, copied without waiting for the device's queued work."""
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 def _filters(p: SamplingParams, vocab: int) -> bool:
