@@ -19,8 +19,8 @@ import torch
 
 
 class HostKV(NamedTuple):
-    """One layer's KV blocks in host memory: block-table entries >= base name block (entry - base) of
-    k/v, which have the device caches' block shape."""
+    """One layer's KV blocks outside the device cache (an offload ring slot, or pinned host memory):
+    block-table entries >= base name block (entry - base) of k/v, which have the cache's block shape."""
 
     k: torch.Tensor
     v: torch.Tensor

@@ -81,7 +81,8 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] new tokens; caches: [num_blocks, block_size, Hk, D].
         Writes k, v into the cache at meta.slot_mapping and returns [T, Hq, D]. host_kv (decode steps):
-        block-table entries >= host_kv.base name this layer's blocks in host memory, read in place."""
+        block-table entries >= host_kv.base name this layer's blocks in a second pool (an offload ring
+        slot, or pinned host memory read in place)."""
 
     @abstractmethod
     def forward_with_lse(
