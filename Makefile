@@ -24,9 +24,9 @@ test: setup
 # tests (on CUDA at real sizes and dtypes), every cuda-marked test (SmolLM2 ones need the model fetched
 # or in NANOVLLM_CACHE), then the speed benchmarks. Results as JSON in $$OUT (else bench/results).
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q tests/test_kernels.py tests/test_fused_ops.py -m "not cuda"
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -m cuda tests
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q tests/test_kernels.py tests/test_fused_ops.py tests/test_sampler.py -k "cuda or host or gather or fused"
 	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u profile_step.py
-	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u throughput.py
+	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u throughput.py --async-scheduling
 	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u latency.py
-	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u offload.py --cases 1x32768 4x32768 1x65536 --skip-hf
+	cd bench && PYTHONPATH=$(CURDIR) $(PYTHON) -u offload.py --cases 1x32768 4x32768 1x65536 1x98304 --skip-hf
