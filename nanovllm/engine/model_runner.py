@@ -271,7 +271,10 @@ class ModelRunner:
         positions = [len(s) - 1 for s in seqs]
         bs = self.block_size
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        return self.graphs.run([self._input_id(s, s.token_ids[-1]) for s in seqs], positions, slots, tables)
+        ids = [s.token_ids[-1] for s in seqs]
+        if PLACEHOLDER in ids:
+            ids = [self._input_id(s, t) for s, t in zip(seqs, ids)]
+        return self.graphs.run(ids, positions, slots, tables)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:

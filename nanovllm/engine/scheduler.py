@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._ends_by_length(seq):  # its pending token (async scheduling) is its last one
+            if seq.token_ids[-1] == PLACEHOLDER and self._ends_by_length(seq):  # async: its pending token is its last
                 i += 1
                 continue
             n = self._reserve(seq, min(seq.num_uncomputed_tokens, budget))
