@@ -6,6 +6,7 @@ Per-step inputs are copied into static tensors; nothing on the replay path waits
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,14 @@ from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
     """ids with each -(row + 1) replaced by last_tokens[row], on the device (no host sync)."""
     return torch.where(ids < 0, last_tokens[(-1 - ids).clamp(min=0)], ids)
+
+
+def fill_tables(dst: np.ndarray, tables: list[list[int]]) -> None:
+    """dst[i, :len(tables[i])] = tables[i] for every i, in a few vectorised numpy operations."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    dst[np.repeat(np.arange(len(tables)), lens), np.arange(flat.size) - starts] = flat
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -97,8 +106,7 @@ class DecodeGraphs:
         rows = self.staging.numpy()
         rows[:b, 0], rows[:b, 1], rows[:b, 2] = token_ids, positions, slots
         rows[:b, 3:] = self.scratch_block
-        for row, table in zip(rows, block_tables):
-            row[3 : 3 + len(table)] = table
+        fill_tables(rows[:b, 3:], block_tables)
         self._fill_padding(rows, b, bs)  # rows left from a larger batch must not write real KV slots
         self.rows[:bs].copy_(self.staging[:bs], non_blocking=True)
         self.staged.record()

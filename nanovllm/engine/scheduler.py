@@ -94,6 +94,8 @@ class Scheduler:
         """Give seq KV blocks for its next n tokens, or for as many as fit after offloading; returns
         how many tokens it got blocks for (0: none)."""
         bm = self.block_manager
+        if seq.num_computed_tokens + n <= len(seq.block_table) * bm.block_size:  # its blocks hold them already
+            return n
         if not bm.can_grow(seq, seq.num_computed_tokens + n):
             if not bm.num_host_blocks:
                 return 0
@@ -125,10 +127,12 @@ class Scheduler:
     def mark_computed(self, scheduled: list[ScheduledSeq], register: bool = True) -> None:
         """Advance the computed counts; register: also hash newly full blocks for prefix caching (not
         while a block may still hold a PLACEHOLDER: the engine registers those when tokens arrive)."""
+        bs = self.block_manager.block_size
         for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            if register:
-                self.block_manager.register_computed_blocks(item.seq)
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if register and seq.num_computed_tokens // bs > (seq.num_computed_tokens - item.num_new_tokens) // bs:
+                self.block_manager.register_computed_blocks(seq)  # a block became full
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove seq from the queues, free its blocks and mark it finished."""

@@ -1,0 +1,25 @@
+"""Host-side pieces of the decode CUDA graphs that need no GPU."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from nanovllm.engine.cuda_graph import batch_buckets, fill_tables
+
+
+def test_fill_tables_equals_row_by_row():
+    rng = random.Random(0)
+    tables = [[rng.randint(0, 999) for _ in range(rng.randint(1, 9))] for _ in range(50)] + [[5] * 12]
+    got = np.full((len(tables), 12), -7, dtype=np.int64)
+    fill_tables(got, tables)
+    want = np.full_like(got, -7)
+    for row, table in zip(want, tables):
+        row[: len(table)] = table
+    assert np.array_equal(got, want)
+
+
+def test_batch_buckets_cover_every_batch_size():
+    buckets = batch_buckets(100)
+    assert buckets[0] == 1 and buckets[-1] == 100 and buckets == sorted(set(buckets))
+    assert all(any(b >= n for b in buckets) for n in range(1, 101))
