@@ -11,7 +11,7 @@ left; preemption happens only when the host pool is full as well.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
@@ -22,11 +22,12 @@ from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    # True when this step computes the sequence's last token, so its logits give the next one; fixed
+    # when scheduled (marking the step computed, or a placeholder appended, would change the answer).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last token, so its logits give the next one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
 
 
 class Scheduler:
