@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common import HERE, hf_model, log, require_cuda, save_results, timed
+from common import HERE, cuda_ms, hf_model, log, require_cuda, save_results, timed
 from nanovllm import LLM, SamplingParams
 
 CARD_GIB = 24
@@ -44,17 +44,7 @@ def measure_h2d_bandwidth(gib: float = 2.0, repeats: int = 3) -> float:
         for start in range(0, n, chunk):
             dst[start : start + chunk].copy_(src[start : start + chunk], non_blocking=True)
 
-    best = 0.0
-    for copy in (whole, chunked):
-        copy()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            copy()
-        end.record()
-        torch.cuda.synchronize()
-        best = max(best, n * repeats / (start.elapsed_time(end) / 1e3))
+    best = max(n / (cuda_ms(copy, repeats) / 1e3) for copy in (whole, chunked))
     src = dst = None  # noqa: F841 (freed before emptying the cache)
     torch.cuda.empty_cache()
     return best
