@@ -234,25 +234,6 @@ def test_decode_reads_host_blocks_in_place(ops, num_splits):
     assert_matches(ops.paged_decode_attention(*args, num_splits=num_splits, block_n=16, host_kv=host), want, dtype)
 
 
-def test_gather_blocks_from_host_matches_reference():
-    pytest.importorskip("triton")
-    from nanovllm.kernels.reference import gather_blocks_reference
-    from nanovllm.kernels.triton_gather import gather_blocks
-
-    pin = DEVICE.type == "cuda"
-    g = torch.Generator().manual_seed(0)
-    host_k, host_v = (torch.randn(7, 16, 2, 64, generator=g).pin_memory() if pin else torch.randn(7, 16, 2, 64, generator=g)
-                      for _ in range(2))
-    ring = torch.full((2, 5, 16, 2, 64), float("nan"), device=DEVICE)  # [kv, position, ...] like a ring slot
-    want = ring.clone()
-    sources = torch.tensor([6, -1, 0, 3, -1], device=DEVICE)
-    gather_blocks(ring[0], ring[1], host_k, host_v, sources)
-    gather_blocks_reference(want[0], want[1], host_k, host_v, sources)
-    torch.testing.assert_close(ring, want, equal_nan=True)
-    assert torch.equal(ring[0, 0].cpu(), host_k[6]) and torch.equal(ring[1, 3].cpu(), host_v[3])
-    assert ring[:, 1].isnan().all()  # positions without a source are left alone
-
-
 def test_host_caches_must_match_the_device_layout(ops):
     b = make_batch([1], [20], 1, 2, 64, 16, torch.float32)
     bad = HostKV(torch.zeros(2, 16, 1, 32), torch.zeros(2, 16, 1, 32), 100)

@@ -14,7 +14,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import offload
 from nanovllm.engine.block_manager import HOST_BASE, is_host_block
-from nanovllm.engine.offload import consecutive_runs
+from nanovllm.engine.offload import COPIES_PER_LAYER, consecutive_runs, split_runs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 BS = 16
@@ -64,6 +64,35 @@ def test_consecutive_runs():
     assert consecutive_runs([]) == []
 
 
+def test_split_runs_cuts_the_longest_until_every_copy_has_a_piece():
+    assert split_runs([(10, 0, 8)], 4) == [(10, 0, 2), (12, 2, 2), (14, 4, 2), (16, 6, 2)]
+    assert split_runs([(10, 0, 5), (30, 5, 1)], 3) == [(10, 0, 2), (12, 2, 3), (30, 5, 1)]
+    assert split_runs([(1, 0, 1), (5, 1, 1)], 4) == [(1, 0, 1), (5, 1, 1)]  # single blocks are not cut
+    assert split_runs([], 4) == []
+    assert split_runs([(i * 2, i, 1) for i in range(5)], 4) is None  # more runs than copies
+
+
+def test_staged_copy_params_name_the_pieces_and_repeat_the_first(tiny_llama, monkeypatch):
+    """The (dst, src, nbytes) a decode graph's copy nodes get: each piece's blocks of that layer's host
+    pool to its ring positions; copies without a piece repeat FILLER_BYTES of the first piece."""
+    llm = offload_llm(tiny_llama, 32, monkeypatch)
+    o = llm.runner.offloader
+    staged = o.staged
+    tables = staged.prepare([[0, HOST_BASE + 7, HOST_BASE + 8, 1], [HOST_BASE + 3, 2]], [])
+    assert tables == [[0, HOST_BASE, HOST_BASE + 1, 1], [HOST_BASE + 2, 2]]
+    assert staged.pieces == [(7, 0, 1), (8, 1, 1), (3, 2, 1)]  # runs (7, 0, 2), (3, 2, 1); the first cut
+    params = staged.copy_params()
+    assert len(params) == o.num_layers * 2 * COPIES_PER_LAYER
+    nbytes = o.host[0, 0, 0].numel() * o.host.element_size()
+    layer, kv = 1, 1
+    assert params[(layer, kv, 1)] == (o.ring[kv, layer % 2, 1].data_ptr(), o.host[kv, layer, 8].data_ptr(), nbytes)
+    assert params[(0, 0, 2)] == (o.ring[0, 0, 2].data_ptr(), o.host[0, 0, 3].data_ptr(), nbytes)
+    assert params[(layer, kv, 3)] == (o.ring[kv, layer % 2, 0].data_ptr(), o.host[kv, layer, 7].data_ptr(),
+                                      staged.FILLER_BYTES)
+    many = [[HOST_BASE + 2 * i for i in range(COPIES_PER_LAYER + 1)]]
+    assert staged.prepare(many, []) is None  # more runs than copy nodes: the step goes the eager way
+
+
 @pytest.mark.parametrize("staged", [True, False], ids=["staged-decode", "split-decode"])
 @pytest.mark.parametrize("ring_blocks", [1, 3, 32])
 def test_offload_matches_device_only(tiny_llama, reference, monkeypatch, ring_blocks, staged):
@@ -110,7 +139,9 @@ def test_offload_matches_device_only_cuda(tiny_llama, monkeypatch, ring_blocks):
     assert llm.runner.offloader.host.is_pinned()
     assert_same(generate(llm, prompts()), want)
     assert llm.runner.offloader.stats.h2d_bytes > 0
-    assert llm.runner.graphs.num_replays > 0  # decode steps, staged ones (32-block slots) among them
+    assert llm.runner.graphs.num_replays > 0
+    if ring_blocks == 32:  # decode graphs replayed with host blocks copied by their memcpy nodes
+        assert any(c.version for c in llm.runner.graphs.copies.values())
     assert_all_free(llm)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanovllm.engine.graph_copies import GraphCopies
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 
 
@@ -39,8 +40,8 @@ class DecodeGraphs:
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
                  last_tokens: torch.Tensor, offload: Any = None):
         """last_tokens: where an input id -(row + 1) is read from (the previous step's sampled tokens);
-        offload: the metadata's offload handler during capture (a StagedDecode: the graphs stage
-        host-resident KV through a ring slot), or None."""
+        offload: the metadata's offload handler during capture (a StagedDecode: the graphs copy
+        host-resident KV into a ring slot, with addresses it sets before each replay), or None."""
         self.model, self.backend, self.kv_cache, self.offload = model, backend, kv_cache, offload
         self.last_tokens = last_tokens
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
@@ -59,6 +60,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # positions + 1, computed in the graph
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.copies: dict[int, GraphCopies] = {}
         self.num_replays = 0
         self.logits: dict[int, torch.Tensor] = {}
         self._capture_all()
@@ -82,11 +84,14 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
             self._forward(bs)  # warm-up: compiles kernels and allocates outside the graph
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=self.offload is not None)
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[bs] = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
+            if self.offload is not None:  # its host->device copies get new addresses before each replay
+                graph.instantiate()
+                self.copies[bs] = GraphCopies(graph, self.offload.placeholders)
         torch.cuda.synchronize(self.device)
 
     def fits(self, batch_size: int) -> bool:
@@ -110,6 +115,8 @@ class DecodeGraphs:
         self._fill_padding(rows, b, bs)  # rows left from a larger batch must not write real KV slots
         self.rows[:bs].copy_(self.staging[:bs], non_blocking=True)
         self.staged.record()
+        if self.offload is not None:
+            self.offload.update_graph(self.copies[bs])
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.logits[bs][:b]

@@ -214,9 +214,10 @@ class ModelRunner:
         """The forward pass: logits of the sampling rows (None when no sequence samples this step)."""
         if self._graph_fits(scheduled, offloads):
             tables = [s.block_table for s in sampling]
-            if self.offloader is not None:  # _graph_fits checked that the host blocks are few enough to stage
+            if self.offloader is not None:  # None: host blocks in more runs than the graphs have copies
                 tables = self.offloader.staged.prepare(tables, list(offloads))
-            return self._decode_with_graph(sampling, tables)
+            if tables is not None:
+                return self._decode_with_graph(sampling, tables)
         ids, positions, meta, rows = self._prepare(scheduled, offloads)
         if meta.offload is not None:
             meta.offload.begin()

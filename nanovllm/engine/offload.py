@@ -16,12 +16,12 @@ the step, one layer at a time; each layer waits for its copy before storing new 
 device blocks may be reused in the same step. On the CPU ("device" and host pools both in RAM) the
 streams are absent and every copy is synchronous, which is how the orchestration is tested in CI.
 
-Decode steps with few host blocks (up to STAGED_MAX_BYTES per layer) take another path (`StagedDecode`)
-that a CUDA graph can capture: a gather kernel on the copy stream reads each layer's host blocks through unified
-addressing (pinned memory is mapped into the device's address space) into a ring slot, two layers
-ahead of the compute stream, and the decode kernel reads them from the slot where the block table
-names them (entries >= HOST_BASE). No merge, no per-step copy addresses: the step replays the decode
-graphs with a new list of source blocks.
+Decode steps whose host blocks fit one ring slot take another path (`StagedDecode`) that a CUDA graph
+can capture: each layer's host blocks are copied into a ring slot on the copy stream, two layers ahead
+of the compute stream, and the decode kernel reads them from the slot where the block table names
+them (entries >= HOST_BASE). No merge: the step replays the ordinary decode graphs. Inside a graph the
+copies are memcpy nodes (at most COPIES_PER_LAYER per layer and K/V) whose addresses are set before
+each replay (`graph_copies`), so they run on the copy engines, as fast as eager copies.
 """
 from __future__ import annotations
 
@@ -30,17 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.engine import graph_copies
 from nanovllm.engine.block_manager import HOST_BASE
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.kernels.reference import HostKV, gather_blocks_reference
+from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, store_kv
 
 RING_SLOTS = 2
 RING_SLOT_BYTES = 256 * 2**20  # per slot; a 128-block slot of Llama-8B-shaped KV (1 MiB per block and layer)
-# Host KV per layer up to which decode steps are staged in CUDA graphs. Beyond it the eager split path
-# wins on the H200: each layer's copy (>= 1.2 ms) hides the ~1-1.4 ms of launch work per layer, and the
-# copy engines move 54 GB/s where the gather kernel, sharing SMs with the layer's compute, moves ~47.
-STAGED_MAX_BYTES = 64 * 2**20
+COPIES_PER_LAYER = 4  # copy nodes per layer and K/V in a decode graph: more runs of host blocks go eager
 
 
 def consecutive_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -103,9 +101,11 @@ class KVOffloader:
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
         self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
         self.stats = TransferStats()
-        self.staged_max_blocks = max(1, min(ring_blocks, STAGED_MAX_BYTES // self.block_bytes_per_layer))
+        self.staged_max_blocks = ring_blocks
         self.staged = StagedDecode(self)
-        self.staged_decode = True  # False: every decode step over host KV takes the eager split path (a peer)
+        # False: every decode step over host KV takes the eager split path (a peer; also where the CUDA
+        # runtime's graph-update calls cannot be reached, since the decode graphs need them)
+        self.staged_decode = not pin or graph_copies.available()
 
     def copy_out(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
         """Copy one layer's (device start, host start, n) runs to the host pool on the current stream."""
@@ -290,42 +290,57 @@ class OffloadStep:
             self._fill(unit + RING_SLOTS)
 
 
+def split_runs(runs: list[tuple[int, int, int]], copies: int) -> list[tuple[int, int, int]] | None:
+    """(src, dst, n) runs cut into at most `copies` pieces, the longest halved until there are `copies`
+    (more, shorter copies keep the copy engines busy from the first block); None if there are more runs."""
+    if len(runs) > copies:
+        return None
+    pieces = list(runs)
+    while len(pieces) < copies:
+        i = max(range(len(pieces)), key=lambda j: pieces[j][2], default=None)
+        if i is None or pieces[i][2] < 2:
+            break
+        src, dst, n = pieces[i]
+        half = n // 2
+        pieces[i : i + 1] = [(src, dst, half), (src + half, dst + half, n - half)]
+    return pieces
+
+
 class StagedDecode:
-    """Decode steps with at most staged_max_blocks host blocks (module docstring). `prepare` sets a step's
-    source blocks in a static device tensor; `attention` (called by every layer, in order) enqueues the
-    gathers and waits; nothing in it depends on the step, so the decode graphs capture it."""
+    """Decode steps with at most staged_max_blocks host blocks, in at most COPIES_PER_LAYER runs (module
+    docstring). `prepare` numbers the step's host blocks as ring positions and plans the copies; `attention`
+    (called by every layer, in order) enqueues layer L + 2's copies on the copy stream and waits for layer
+    L's. Captured in a decode graph, each copy is a memcpy node (`graph_copies`): `update_graph` gives the
+    nodes the step's addresses before the replay, so the copies run on the copy engines at DMA speed."""
+
+    FILLER_BYTES = 16  # what a copy node without a piece of its own copies (a copy cannot be empty)
 
     def __init__(self, offloader: KVOffloader):
         self.o = offloader
         self.cuda = offloader.h2d_stream is not None
-        n = offloader.ring_blocks
-        self.sources = torch.full((n,), -1, dtype=torch.int64, device=offloader.device)  # host block per position
-        self.staging = torch.full((n,), -1, dtype=torch.int64, pin_memory=self.cuda)
-        self.staged: torch.cuda.Event | None = None  # the last copy out of staging (refill only after it)
+        self.pieces: list[tuple[int, int, int]] = []  # this step's (host block, ring position, n) copies
         self.copied: list[torch.cuda.Event | None] = [None] * offloader.num_layers
+        self.block_nbytes = offloader.block_bytes_per_layer // 2  # K or V of one block in one layer
+        self.placeholders: dict[tuple[int, int], tuple[int, int, int]] = {}  # (dst, src) -> (layer, kv, copy)
 
     def prepare(self, tables: list[list[int]], offloads: list[tuple[int, int]]) -> list[list[int]] | None:
         """Number the step's host blocks 0, 1, ... (their slot positions) and return the tables with those
-        entries renamed HOST_BASE + position; None when there are more than staged_max_blocks. Blocks the step's
-        scheduling moved out are copied to the host first, on the compute stream."""
+        entries renamed HOST_BASE + position; None when there are more than staged_max_blocks, or more runs of
+        consecutive blocks than copies. Blocks the step's scheduling moved out are copied to the host first,
+        on the compute stream."""
         host_ids = [b - HOST_BASE for t in tables for b in t if b >= HOST_BASE]
         if len(host_ids) > self.o.staged_max_blocks:
+            return None
+        pieces = split_runs(consecutive_runs(list(zip(host_ids, range(len(host_ids))))), COPIES_PER_LAYER)
+        if pieces is None:
             return None
         if self.o.last_d2h is not None:  # host blocks an earlier step copied out on the side stream
             torch.cuda.current_stream(self.o.device).wait_event(self.o.last_d2h)
         runs = consecutive_runs(sorted(offloads))
         for layer in range(self.o.num_layers if runs else 0):
             self.o.copy_out(layer, runs)
-        if self.staged is not None:
-            self.staged.synchronize()
-        staging = self.staging.numpy()
-        staging[:] = -1
-        staging[: len(host_ids)] = host_ids
-        self.sources.copy_(self.staging, non_blocking=True)
-        if self.cuda:
-            self.staged = torch.cuda.Event()
-            self.staged.record()
-        self.o.count("h2d", n=self.o.num_layers, blocks=len(host_ids) * self.o.num_layers)
+        self.pieces = pieces
+        self.o.count("h2d", n=2 * len(pieces) * self.o.num_layers, blocks=len(host_ids) * self.o.num_layers)
         position = iter(range(HOST_BASE, HOST_BASE + len(host_ids)))
         return [[next(position) if b >= HOST_BASE else b for b in t] for t in tables]
 
@@ -352,15 +367,57 @@ class StagedDecode:
         return out
 
     def _stage(self, layer: int) -> None:
-        """Gather layer's host blocks into ring slot layer % RING_SLOTS (on the copy stream)."""
+        """Copy layer's host blocks into ring slot layer % RING_SLOTS (on the copy stream)."""
         slot = layer % RING_SLOTS
-        args = (self.o.ring[0, slot], self.o.ring[1, slot], self.o.host[0, layer], self.o.host[1, layer], self.sources)
         if not self.cuda:
-            gather_blocks_reference(*args)
+            self._copy_pieces(layer, slot)
             return
-        from nanovllm.kernels.triton_gather import gather_blocks
-
+        capturing = torch.cuda.is_current_stream_capturing()
         with torch.cuda.stream(self.o.h2d_stream):
-            gather_blocks(*args)
+            if capturing:
+                self._capture_placeholders(layer, slot)
+            else:
+                self._copy_pieces(layer, slot)
             self.copied[layer] = torch.cuda.Event()
             self.copied[layer].record(self.o.h2d_stream)
+
+    def _copy_pieces(self, layer: int, slot: int) -> None:
+        for host_start, position, n in self.pieces:
+            for kv in range(2):
+                self.o.ring[kv, slot, position : position + n].copy_(
+                    self.o.host[kv, layer, host_start : host_start + n], non_blocking=True)
+
+    def _capture_placeholders(self, layer: int, slot: int) -> None:
+        """COPIES_PER_LAYER memcpy nodes per K and V, each with its own (dst, src) so it can be found again."""
+        for kv in range(2):
+            for copy in range(COPIES_PER_LAYER):
+                dst, src = self._ring_ptr(kv, slot, 0) + copy * 16, self._host_ptr(kv, layer, 0) + copy * 16
+                self.placeholders[(dst, src)] = (layer, kv, copy)
+                graph_copies.capture_copy(dst, src, self.FILLER_BYTES)
+
+    def _ring_ptr(self, kv: int, slot: int, position: int) -> int:
+        return self.o.ring[kv, slot].data_ptr() + position * self.block_nbytes
+
+    def _host_ptr(self, kv: int, layer: int, block: int) -> int:
+        return self.o.host[kv, layer].data_ptr() + block * self.block_nbytes
+
+    def copy_params(self) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+        """(layer, kv, copy) -> (dst, src, nbytes) of the step's pieces; copies beyond them repeat the first
+        FILLER_BYTES of the first piece (the same bytes to the same place) or, without pieces, of block 0."""
+        params = {}
+        first = self.pieces[0] if self.pieces else (0, 0, 1)
+        for layer in range(self.o.num_layers):
+            slot = layer % RING_SLOTS
+            for kv in range(2):
+                for copy in range(COPIES_PER_LAYER):
+                    host_start, position, n = self.pieces[copy] if copy < len(self.pieces) else first
+                    nbytes = n * self.block_nbytes if copy < len(self.pieces) else self.FILLER_BYTES
+                    params[(layer, kv, copy)] = (self._ring_ptr(kv, slot, position),
+                                                 self._host_ptr(kv, layer, host_start), nbytes)
+        return params
+
+    def update_graph(self, copies) -> None:
+        """Before replaying a graph captured with this handler: its copy nodes get this step's pieces."""
+        version = tuple(self.pieces)
+        if copies.version != version:
+            copies.set(self.copy_params(), version)

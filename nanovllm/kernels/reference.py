@@ -113,11 +113,3 @@ def merge_attention_states(
     out = (part_a + part_b) / torch.where(total > 0, total, 1.0)[..., None]
     return out.to(out_a.dtype), peak + torch.log(total)
 
-
-def gather_blocks_reference(dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor,
-                            sources: torch.Tensor) -> None:
-    """dst_*[p] = src_*[sources[p]] for every position p with sources[p] >= 0; others are left as they are."""
-    used = (sources >= 0).nonzero().flatten()
-    picked = sources[used].to(src_k.device)
-    dst_k[used.to(dst_k.device)] = src_k[picked].to(dst_k.device)
-    dst_v[used.to(dst_v.device)] = src_v[picked].to(dst_v.device)
