@@ -1,0 +1,105 @@
+"""Where the throughput workload's time goes, step by step: GPU busy against wall time, and what the host
+waits on, over windows of the run (early: large batches; late: the tail of long outputs).
+
+Runs bench/throughput.py's workload through the engine loop (`LLM.step`), and profiles a few windows of
+steps with torch.profiler: the union of the device's kernel and copy intervals over the window's wall
+time says how much of the run the GPU is idle; the host ops table says where the host waited (event or
+stream synchronisation, blocking copies). The whole run's steps are also timed on the host, grouped by
+batch size, against each bucket's graph replay alone.
+
+    PYTHONPATH=. python3 bench/profile_run.py [--async-scheduling] [--windows 50 400 800] [--window-steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common import HERE, log, require_cuda, save_results
+from throughput import workload
+from nanovllm import LLM, SamplingParams
+
+
+def busy_ms(prof) -> float:
+    """Union of the device's activity intervals in a profile, in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(HERE / "configs" / "qwen3-0.6b"))
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--windows", type=int, nargs="+", default=[50, 400, 800], help="step numbers where a window starts")
+    ap.add_argument("--window-steps", type=int, default=20)
+    args = ap.parse_args()
+    require_cuda()
+    llm = LLM(args.config, load_format="dummy", max_model_len=2064, async_scheduling=args.async_scheduling)
+    vocab = llm.config.hf_config["vocab_size"]
+    warm, _ = workload(64, 100, 1024, vocab, seed=1)
+    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    prompts, out_lens = workload(args.num_seqs, 100, 1024, vocab)
+    for p, n in zip(prompts, out_lens):
+        llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+    windows, by_batch = [], defaultdict(list)
+    step, t_run = 0, time.perf_counter()
+    while llm.has_unfinished_requests():
+        batch = len(llm.scheduler.running)
+        if step in args.windows:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.window_steps):
+                    llm._step(final_only=True)  # as LLM.generate steps
+                torch.cuda.synchronize()
+            wall = 1e3 * (time.perf_counter() - t0)
+            busy = busy_ms(prof)
+            windows.append({"start_step": step, "batch": batch, "wall_ms_per_step": wall / args.window_steps,
+                            "gpu_busy_ms_per_step": busy / args.window_steps, "gpu_busy_fraction": busy / wall})
+            log(f"steps {step}-{step + args.window_steps} (batch {batch}): {wall / args.window_steps:.2f} ms/step wall, "
+                f"GPU busy {busy / args.window_steps:.2f} ms/step ({busy / wall:.0%})")
+            log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+            step += args.window_steps
+            continue
+        t0 = time.perf_counter()
+        llm._step(final_only=True)
+        by_batch[batch].append(time.perf_counter() - t0)
+        step += 1
+    torch.cuda.synchronize()
+    run_s = time.perf_counter() - t_run
+    graphs = llm.runner.graphs
+    rows = []
+    for lo, hi in [(193, 256), (129, 192), (65, 128), (17, 64), (1, 16)]:
+        times = [t for b, ts in by_batch.items() if lo <= b <= hi for t in ts]
+        if times:
+            rows.append({"batch": f"{lo}-{hi}", "steps": len(times), "host_ms_per_step": 1e3 * sum(times) / len(times)})
+    replay = {}
+    for bs in (256, 128, 64, 16):
+        if graphs and bs in graphs.graphs:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                graphs.graphs[bs].replay()
+            end.record()
+            end.synchronize()
+            replay[bs] = start.elapsed_time(end) / 10
+    log(f"whole run {run_s:.2f} s, {step} steps; step time on the host by batch: "
+        + ", ".join(f"{r['batch']}: {r['host_ms_per_step']:.2f} ms x {r['steps']}" for r in rows)
+        + "; graph replay alone: " + ", ".join(f"bs {b}: {ms:.2f} ms" for b, ms in replay.items()))
+    save_results("profile_run", {"async_scheduling": args.async_scheduling, "run_s": run_s, "steps": step,
+                                 "windows": windows, "step_ms_by_batch": rows, "graph_replay_ms": replay})
+
+
+if __name__ == "__main__":
+    main()
