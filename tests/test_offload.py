@@ -72,9 +72,9 @@ def test_split_runs_cuts_the_longest_until_every_copy_has_a_piece():
     assert split_runs([(i * 2, i, 1) for i in range(5)], 4) is None  # more runs than copies
 
 
-def test_staged_copy_params_name_the_pieces_and_repeat_the_first(tiny_llama, monkeypatch):
+def test_staged_copy_params_name_the_pieces(tiny_llama, monkeypatch):
     """The (dst, src, nbytes) a decode graph's copy nodes get: each piece's blocks of that layer's host
-    pool to its ring positions; copies without a piece repeat FILLER_BYTES of the first piece."""
+    pool to its ring positions; copies without a piece are turned off (None)."""
     llm = offload_llm(tiny_llama, 32, monkeypatch)
     o = llm.runner.offloader
     staged = o.staged
@@ -87,8 +87,7 @@ def test_staged_copy_params_name_the_pieces_and_repeat_the_first(tiny_llama, mon
     layer, kv = 1, 1
     assert params[(layer, kv, 1)] == (o.ring[kv, layer % 2, 1].data_ptr(), o.host[kv, layer, 8].data_ptr(), nbytes)
     assert params[(0, 0, 2)] == (o.ring[0, 0, 2].data_ptr(), o.host[0, 0, 3].data_ptr(), nbytes)
-    assert params[(layer, kv, 3)] == (o.ring[kv, layer % 2, 0].data_ptr(), o.host[kv, layer, 7].data_ptr(),
-                                      staged.FILLER_BYTES)
+    assert params[(layer, kv, 3)] is None
     many = [[HOST_BASE + 2 * i for i in range(COPIES_PER_LAYER + 1)]]
     assert staged.prepare(many, []) is None  # more runs than copy nodes: the step goes the eager way
 

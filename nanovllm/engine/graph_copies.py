@@ -8,7 +8,7 @@ these calls, so they go through ctypes into the CUDA runtime that torch itself l
 
 Use: during capture, `capture_copy` enqueues a placeholder copy with a unique (dst, src) pair and a
 key; after instantiation `GraphCopies(graph, keys)` finds each key's memcpy node; before a replay,
-`set` gives keys new (dst, src, nbytes), skipping those that did not change.
+`set` gives keys new (dst, src, nbytes), or None to turn a copy off, skipping those that did not change.
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def cudart() -> ctypes.CDLL | None:
         return None
     for path in sorted(paths):
         lib = ctypes.CDLL(path)
-        if hasattr(lib, "cudaGraphExecMemcpyNodeSetParams1D") and hasattr(lib, "cudaGraphMemcpyNodeGetParams"):
+        if all(hasattr(lib, f) for f in ("cudaGraphExecMemcpyNodeSetParams1D", "cudaGraphMemcpyNodeGetParams",
+                                         "cudaGraphNodeSetEnabled")):
             return lib
     return None
 
@@ -104,7 +105,7 @@ class GraphCopies:
         """keys: (dst, src) of each placeholder copy captured in graph -> the caller's key for it."""
         self.exec = graph.raw_cuda_graph_exec()
         self.nodes: dict[object, int] = {}
-        self.current: dict[object, tuple[int, int, int]] = {}
+        self.current: dict[object, tuple[int, int, int] | None] = {}
         for node, dst, src, nbytes in memcpy_nodes(graph.raw_cuda_graph()):
             key = keys.get((dst, src))
             if key is not None:
@@ -115,19 +116,26 @@ class GraphCopies:
             raise CudaRuntimeError(f"{missing} of {len(keys)} captured copies not found among the graph's memcpy nodes")
         self.version: object = None  # what the caller last set, to skip unchanged steps
 
-    def set(self, params: dict[object, tuple[int, int, int]], version: object = None) -> int:
-        """Give the next replays new (dst, src, nbytes) for the keys in params; returns how many changed."""
+    def set(self, params: dict[object, tuple[int, int, int] | None], version: object = None) -> int:
+        """Give the next replays new (dst, src, nbytes) for the keys in params, None to skip that copy (the
+        node is disabled: an empty node that keeps its dependencies); returns how many nodes changed."""
         if version is not None and version == self.version:
             return 0
         lib = cudart()
         changed = 0
-        for key, (dst, src, nbytes) in params.items():
-            if self.current[key] == (dst, src, nbytes):
+        for key, copy in params.items():
+            if self.current[key] == copy:
                 continue
-            _check(lib.cudaGraphExecMemcpyNodeSetParams1D(
-                ctypes.c_void_p(self.exec), ctypes.c_void_p(self.nodes[key]), ctypes.c_void_p(dst),
-                ctypes.c_void_p(src), ctypes.c_size_t(nbytes), _HOST_TO_DEVICE), "cudaGraphExecMemcpyNodeSetParams1D")
-            self.current[key] = (dst, src, nbytes)
+            node = ctypes.c_void_p(self.nodes[key])
+            if copy is not None:
+                dst, src, nbytes = copy
+                _check(lib.cudaGraphExecMemcpyNodeSetParams1D(
+                    ctypes.c_void_p(self.exec), node, ctypes.c_void_p(dst), ctypes.c_void_p(src),
+                    ctypes.c_size_t(nbytes), _HOST_TO_DEVICE), "cudaGraphExecMemcpyNodeSetParams1D")
+            if (copy is None) != (self.current[key] is None):
+                _check(lib.cudaGraphNodeSetEnabled(ctypes.c_void_p(self.exec), node, int(copy is not None)),
+                       "cudaGraphNodeSetEnabled")
+            self.current[key] = copy
             changed += 1
         self.version = version
         return changed

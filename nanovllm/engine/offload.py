@@ -313,8 +313,6 @@ class StagedDecode:
     L's. Captured in a decode graph, each copy is a memcpy node (`graph_copies`): `update_graph` gives the
     nodes the step's addresses before the replay, so the copies run on the copy engines at DMA speed."""
 
-    FILLER_BYTES = 16  # what a copy node without a piece of its own copies (a copy cannot be empty)
-
     def __init__(self, offloader: KVOffloader):
         self.o = offloader
         self.cuda = offloader.h2d_stream is not None
@@ -393,7 +391,7 @@ class StagedDecode:
             for copy in range(COPIES_PER_LAYER):
                 dst, src = self._ring_ptr(kv, slot, 0) + copy * 16, self._host_ptr(kv, layer, 0) + copy * 16
                 self.placeholders[(dst, src)] = (layer, kv, copy)
-                graph_copies.capture_copy(dst, src, self.FILLER_BYTES)
+                graph_copies.capture_copy(dst, src, 16)
 
     def _ring_ptr(self, kv: int, slot: int, position: int) -> int:
         return self.o.ring[kv, slot].data_ptr() + position * self.block_nbytes
@@ -401,19 +399,19 @@ class StagedDecode:
     def _host_ptr(self, kv: int, layer: int, block: int) -> int:
         return self.o.host[kv, layer].data_ptr() + block * self.block_nbytes
 
-    def copy_params(self) -> dict[tuple[int, int, int], tuple[int, int, int]]:
-        """(layer, kv, copy) -> (dst, src, nbytes) of the step's pieces; copies beyond them repeat the first
-        FILLER_BYTES of the first piece (the same bytes to the same place) or, without pieces, of block 0."""
+    def copy_params(self) -> dict[tuple[int, int, int], tuple[int, int, int] | None]:
+        """(layer, kv, copy) -> (dst, src, nbytes) of the step's pieces; None for copies beyond them."""
         params = {}
-        first = self.pieces[0] if self.pieces else (0, 0, 1)
         for layer in range(self.o.num_layers):
             slot = layer % RING_SLOTS
             for kv in range(2):
                 for copy in range(COPIES_PER_LAYER):
-                    host_start, position, n = self.pieces[copy] if copy < len(self.pieces) else first
-                    nbytes = n * self.block_nbytes if copy < len(self.pieces) else self.FILLER_BYTES
-                    params[(layer, kv, copy)] = (self._ring_ptr(kv, slot, position),
-                                                 self._host_ptr(kv, layer, host_start), nbytes)
+                    if copy < len(self.pieces):
+                        host_start, position, n = self.pieces[copy]
+                        params[(layer, kv, copy)] = (self._ring_ptr(kv, slot, position),
+                                                     self._host_ptr(kv, layer, host_start), n * self.block_nbytes)
+                    else:
+                        params[(layer, kv, copy)] = None
         return params
 
     def update_graph(self, copies) -> None:
