@@ -5,7 +5,8 @@
 - the same cases on a GPU-only engine with the whole card: prefill tokens/s ratio (target >= 90% at 32K);
 - decode ms per step against the PCIe floor: host-resident KV bytes read per step over the measured
   pinned host-to-device bandwidth (target within 1.15x), and the PCIe GB/s achieved; decode steps
-  whose host KV fits a ring slot replay CUDA graphs that stage it; the same steps eager are the peer;
+  whose host KV fits a ring slot replay CUDA graphs that copy it in (memcpy nodes re-addressed per
+  step); the same steps eager are the peer;
 - logprobs of every prompt position of a 32K x 4 batch, offload against GPU-only (max abs difference);
 - HF transformers generate with its offloaded cache (cache_implementation="offloaded") at 32K.
 
