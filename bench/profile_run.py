@@ -35,6 +35,25 @@ def busy_ms(prof) -> float:
     return total / 1e3
 
 
+def graph_kernels(graph: torch.cuda.CUDAGraph) -> dict:
+    """Kernels of one replay: how many, their summed time, and the span from the first start to the last
+    end (span - sum = gaps between kernels inside the graph)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not events:
+        return {}
+    per_name = defaultdict(float)
+    for e in events:
+        per_name[e.name] += (e.time_range.end - e.time_range.start) / 1e3
+    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:6]
+    return {"kernels": len(events), "kernel_ms": sum(per_name.values()), "span_ms": span, "top": top}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(HERE / "configs" / "qwen3-0.6b"))
@@ -94,11 +113,17 @@ def main() -> None:
             end.record()
             end.synchronize()
             replay[bs] = start.elapsed_time(end) / 10
+    kernels = graph_kernels(graphs.graphs[16]) if graphs and 16 in graphs.graphs else None
+    if kernels:
+        log(f"one bs-16 replay (short contexts): {kernels['kernels']} kernels, {kernels['kernel_ms']:.2f} ms of kernel "
+            f"time in {kernels['span_ms']:.2f} ms from first start to last end; longest: "
+            + ", ".join(f"{name[:40]} {ms:.3f} ms" for name, ms in kernels["top"]))
     log(f"whole run {run_s:.2f} s, {step} steps; step time on the host by batch: "
         + ", ".join(f"{r['batch']}: {r['host_ms_per_step']:.2f} ms x {r['steps']}" for r in rows)
         + "; graph replay alone: " + ", ".join(f"bs {b}: {ms:.2f} ms" for b, ms in replay.items()))
     save_results("profile_run", {"async_scheduling": args.async_scheduling, "run_s": run_s, "steps": step,
-                                 "windows": windows, "step_ms_by_batch": rows, "graph_replay_ms": replay})
+                                 "windows": windows, "step_ms_by_batch": rows, "graph_replay_ms": replay,
+                                 "bs16_graph_kernels": kernels})
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ class DecodeGraphs:
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
                  last_tokens: torch.Tensor, offload: Any = None):
         """last_tokens: where an input id -(row + 1) is read from (the previous step's sampled tokens);
-        offload: the metadata's offload handler during capture (a StagedDecode: the graphs copy
-        host-resident KV into a ring slot, with addresses it sets before each replay), or None."""
+        offload: a StagedDecode, or None. With it, a second set of graphs is captured with it attached
+        (they copy host-resident KV into a ring slot, with addresses it sets before each replay) for steps
+        with host KV; steps without replay the plain graphs, free of the copies' cross-stream dependencies."""
         self.model, self.backend, self.kv_cache, self.offload = model, backend, kv_cache, offload
         self.last_tokens = last_tokens
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
@@ -60,38 +61,44 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # positions + 1, computed in the graph
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.staged_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.staged_logits: dict[int, torch.Tensor] = {}
         self.copies: dict[int, GraphCopies] = {}
         self.num_replays = 0
-        self.logits: dict[int, torch.Tensor] = {}
+        self.num_staged_replays = 0
         self._capture_all()
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _metadata(self, bs: int, offload: Any) -> AttentionMetadata:
         return AttentionMetadata(
             query_lens=[1] * bs, seq_lens=[1] * bs, block_tables=[], slot_mapping=self.slot_mapping[:bs],
             cu_query_lens=self.cu_query_lens[: bs + 1], seq_lens_tensor=self.seq_lens[:bs],
-            block_tables_tensor=self.block_tables[:bs], block_size=self.block_size, offload=self.offload,
+            block_tables_tensor=self.block_tables[:bs], block_size=self.block_size, offload=offload,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int, offload: Any = None) -> torch.Tensor:
         self.seq_lens[:bs].copy_(self.positions[:bs] + 1)
         ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
-        hidden = self.model(ids, self.positions[:bs], self.kv_cache, self._metadata(bs))
+        hidden = self.model(ids, self.positions[:bs], self.kv_cache, self._metadata(bs, offload))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
-        for bs in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
-            self._forward(bs)  # warm-up: compiles kernels and allocates outside the graph
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph(keep_graph=self.offload is not None)
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-            if self.offload is not None:  # its host->device copies get new addresses before each replay
-                graph.instantiate()
-                self.copies[bs] = GraphCopies(graph, self.offload.placeholders)
+        for offload in [None] + ([self.offload] if self.offload is not None else []):
+            for bs in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
+                self._forward(bs, offload)  # warm-up: compiles kernels and allocates outside the graph
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph(keep_graph=offload is not None)
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(bs, offload)
+                pool = graph.pool()
+                if offload is None:
+                    self.graphs[bs], self.logits[bs] = graph, logits
+                else:  # its host->device copies get new addresses before each replay
+                    graph.instantiate()
+                    self.copies[bs] = GraphCopies(graph, offload.placeholders)
+                    self.staged_graphs[bs], self.staged_logits[bs] = graph, logits
         torch.cuda.synchronize(self.device)
 
     def fits(self, batch_size: int) -> bool:
@@ -103,8 +110,10 @@ class DecodeGraphs:
         rows[start:end, 2] = self.scratch_block * self.block_size
         rows[start:end, 3:] = self.scratch_block
 
-    def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Replay the decode graph for len(token_ids) sequences; returns their logits [B, vocab]."""
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
+            staged: bool = False) -> torch.Tensor:
+        """Replay the decode graph for len(token_ids) sequences; returns their logits [B, vocab].
+        staged: the tables name host blocks (the offload handler planned their copies)."""
         b = len(token_ids)
         bs = next(size for size in self.buckets if size >= b)
         self.staged.synchronize()  # with async scheduling the previous step's copy may still be queued
@@ -115,8 +124,11 @@ class DecodeGraphs:
         self._fill_padding(rows, b, bs)  # rows left from a larger batch must not write real KV slots
         self.rows[:bs].copy_(self.staging[:bs], non_blocking=True)
         self.staged.record()
-        if self.offload is not None:
-            self.offload.update_graph(self.copies[bs])
-        self.graphs[bs].replay()
         self.num_replays += 1
-        return self.logits[bs][:b]
+        if not staged:
+            self.graphs[bs].replay()
+            return self.logits[bs][:b]
+        self.offload.update_graph(self.copies[bs])
+        self.staged_graphs[bs].replay()
+        self.num_staged_replays += 1
+        return self.staged_logits[bs][:b]

@@ -217,7 +217,8 @@ class ModelRunner:
             if self.offloader is not None:  # None: host blocks in more runs than the graphs have copies
                 tables = self.offloader.staged.prepare(tables, list(offloads))
             if tables is not None:
-                return self._decode_with_graph(sampling, tables)
+                return self._decode_with_graph(sampling, tables, self.offloader is not None
+                                               and bool(self.offloader.staged.pieces))
         ids, positions, meta, rows = self._prepare(scheduled, offloads)
         if meta.offload is not None:
             meta.offload.begin()
@@ -268,14 +269,14 @@ class ModelRunner:
     def _is_decode(scheduled: list[ScheduledSeq]) -> bool:
         return all(item.num_new_tokens == 1 and item.samples for item in scheduled)
 
-    def _decode_with_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
+    def _decode_with_graph(self, seqs: list[Sequence], tables: list[list[int]], staged: bool) -> torch.Tensor:
         positions = [len(s) - 1 for s in seqs]
         bs = self.block_size
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         ids = [s.token_ids[-1] for s in seqs]
         if PLACEHOLDER in ids:
             ids = [self._input_id(s, t) for s, t in zip(seqs, ids)]
-        return self.graphs.run(ids, positions, slots, tables)
+        return self.graphs.run(ids, positions, slots, tables, staged)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
