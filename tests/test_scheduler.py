@@ -464,3 +464,24 @@ def test_offload_of_a_block_freed_in_the_same_step_is_dropped():
     assert bm.offload_blocks(1, [b]) == 1
     assert bm.take_pending_offloads() == [(moved, 0)]
     assert b.block_table[1] == HOST_BASE
+
+
+def test_offload_takes_decoding_sequences_blocks_before_the_prefilling_ones():
+    """A prefill that needs room moves the other (decoding) sequences' blocks to the host first: they
+    read them back with one query per step, where the prefill would attend over them with a whole chunk."""
+    bm = BlockManager(12, BS, True, 32)
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=4 * BS, max_model_len=1024)
+    scheduler = Scheduler(config, bm)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first, second = (Sequence([1] * (8 * BS), params, BS), Sequence([2] * (8 * BS), params, BS))
+    for seq in (first, second):
+        scheduler.add(seq)
+    while second.num_computed_tokens < second.num_prompt_tokens:
+        scheduled = scheduler.schedule()
+        bm.take_pending_offloads()
+        scheduler.mark_computed(scheduled)
+        for item in scheduled:
+            if item.samples:
+                item.seq.append_token(0)
+    assert not any(is_host_block(b) for b in second.block_table)  # the prefill kept its KV on the device
+    assert sum(is_host_block(b) for b in first.block_table) >= 4

@@ -107,15 +107,17 @@ class Scheduler:
         return n
 
     def _make_room(self, seq: Sequence | None, n: int) -> int:
-        """Offload computed blocks (seq's own latest first, then the newest running sequences') until
+        """Offload computed blocks (the newest other running sequences' first, then seq's own) until
         the device pool can take n more tokens of seq (None: a new sequence); returns the tokens that
-        fit afterwards, at most n."""
+        fit afterwards, at most n. Others first: every step reads a sequence's host blocks again, and a
+        decoding sequence reads them with one query where a prefilling seq would attend over them with
+        a whole chunk through the slower history path."""
         bm = self.block_manager
         computed, held = (seq.num_computed_tokens, len(seq.block_table)) if seq else (0, 0)
         missing = bm.blocks_for_tokens(computed + n) - held - bm.num_free_blocks
         if missing > 0:
             newest_first = [s for s in reversed(self.running) if s is not seq]
-            bm.offload_blocks(missing, ([seq] if seq else []) + newest_first)
+            bm.offload_blocks(missing, newest_first + ([seq] if seq else []))
         room = (held + bm.num_free_blocks) * bm.block_size - computed
         return max(0, min(n, room))
 
