@@ -70,6 +70,8 @@ def test_split_runs_cuts_the_longest_until_every_copy_has_a_piece():
     assert split_runs([(1, 0, 1), (5, 1, 1)], 4) == [(1, 0, 1), (5, 1, 1)]  # single blocks are not cut
     assert split_runs([], 4) == []
     assert split_runs([(i * 2, i, 1) for i in range(5)], 4) is None  # more runs than copies
+    assert split_runs([(10, 0, 8)], 4, min_blocks=3) == [(10, 0, 4), (14, 4, 4)]  # halves of 2 would be too short
+    assert split_runs([(10, 0, 5)], 4, min_blocks=3) == [(10, 0, 5)]
 
 
 def test_staged_copy_params_name_the_pieces(tiny_llama, monkeypatch):
@@ -78,6 +80,9 @@ def test_staged_copy_params_name_the_pieces(tiny_llama, monkeypatch):
     llm = offload_llm(tiny_llama, 32, monkeypatch)
     o = llm.runner.offloader
     staged = o.staged
+    tables = staged.prepare([[0, HOST_BASE + 7, HOST_BASE + 8, 1], [HOST_BASE + 3, 2]], [])
+    assert staged.pieces == [(7, 0, 2), (3, 2, 1)]  # tiny blocks: cutting runs would make copies < 1 MiB
+    monkeypatch.setattr(offload, "MIN_COPY_BYTES", 1)
     tables = staged.prepare([[0, HOST_BASE + 7, HOST_BASE + 8, 1], [HOST_BASE + 3, 2]], [])
     assert tables == [[0, HOST_BASE, HOST_BASE + 1, 1], [HOST_BASE + 2, 2]]
     assert staged.pieces == [(7, 0, 1), (8, 1, 1), (3, 2, 1)]  # runs (7, 0, 2), (3, 2, 1); the first cut

@@ -39,6 +39,7 @@ from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, store
 RING_SLOTS = 2
 RING_SLOT_BYTES = 256 * 2**20  # per slot; a 128-block slot of Llama-8B-shaped KV (1 MiB per block and layer)
 COPIES_PER_LAYER = 4  # copy nodes per layer and K/V in a decode graph: more runs of host blocks go eager
+MIN_COPY_BYTES = 2**20  # runs are not cut into copies shorter than this (small copies run far below PCIe speed)
 
 
 def consecutive_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -290,15 +291,16 @@ class OffloadStep:
             self._fill(unit + RING_SLOTS)
 
 
-def split_runs(runs: list[tuple[int, int, int]], copies: int) -> list[tuple[int, int, int]] | None:
+def split_runs(runs: list[tuple[int, int, int]], copies: int, min_blocks: int = 1) -> list[tuple[int, int, int]] | None:
     """(src, dst, n) runs cut into at most `copies` pieces, the longest halved until there are `copies`
-    (more, shorter copies keep the copy engines busy from the first block); None if there are more runs."""
+    (more, shorter copies keep the copy engines busy from the first block) or halves would be shorter
+    than min_blocks; None if there are more runs than copies."""
     if len(runs) > copies:
         return None
     pieces = list(runs)
     while len(pieces) < copies:
         i = max(range(len(pieces)), key=lambda j: pieces[j][2], default=None)
-        if i is None or pieces[i][2] < 2:
+        if i is None or pieces[i][2] < 2 * max(1, min_blocks):
             break
         src, dst, n = pieces[i]
         half = n // 2
@@ -329,7 +331,8 @@ class StagedDecode:
         host_ids = [b - HOST_BASE for t in tables for b in t if b >= HOST_BASE]
         if len(host_ids) > self.o.staged_max_blocks:
             return None
-        pieces = split_runs(consecutive_runs(list(zip(host_ids, range(len(host_ids))))), COPIES_PER_LAYER)
+        pieces = split_runs(consecutive_runs(list(zip(host_ids, range(len(host_ids))))), COPIES_PER_LAYER,
+                            -(-MIN_COPY_BYTES // self.block_nbytes))
         if pieces is None:
             return None
         if self.o.last_d2h is not None:  # host blocks an earlier step copied out on the side stream
