@@ -80,7 +80,8 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.model, self.backend, self.kv_cache, min(self.config.max_num_seqs, 512),
                             self.config.num_blocks_per_seq_limit, self.block_size, self.num_blocks, self.device,
-                            self.last_tokens, self.offloader.staged if self.offloader else None)
+                            self.last_tokens, self.offloader.staged if self.offloader and self.offloader.staged_decode
+                            else None)
 
     def _make_offloader(self) -> offload.KVOffloader:
         host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
