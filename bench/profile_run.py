@@ -1,7 +1,7 @@
 """Where the throughput workload's time goes, step by step: GPU busy against wall time, and what the host
 waits on, over windows of the run (early: large batches; late: the tail of long outputs).
 
-Runs bench/throughput.py's workload through the engine loop (`LLM.step`), and profiles a few windows of
+Runs bench/throughput.py's workload through the engine loop (the steps `LLM.generate` takes), and profiles a few windows of
 steps with torch.profiler: the union of the device's kernel and copy intervals over the window's wall
 time says how much of the run the GPU is idle; the host ops table says where the host waited (event or
 stream synchronisation, blocking copies). The whole run's steps are also timed on the host, grouped by
