@@ -61,7 +61,7 @@ def ensure_server_packages() -> None:
 
 def main() -> None:
     ensure_server_packages()
-    from nanovllm.cli import add_engine_options, engine_options
+    from nanovllm.engine_args import add_engine_options, engine_options
     from nanovllm.serving_bench import add_bench_arguments, engine_args_from, run
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import sys
 import time
 
-from nanovllm.config import EngineConfig
+from nanovllm.engine_args import add_engine_options, engine_options, run_command
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -14,43 +12,6 @@ DEFAULT_PROMPTS = [
     "Explain in two sentences what a KV cache is.",
     "List three prime numbers.",
 ]
-_HELP = {
-    "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",
-    "kvcache_block_size": "tokens per KV block (a multiple of 16)",
-    "num_gpu_blocks": "device KV pool in blocks (default: from gpu_memory_utilization, or cpu_kv_cache_gb on a CPU)",
-    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
-    "cpu_kv_cache_gb": "GiB of host memory for KV: the pinned offload pool, or the whole pool on a CPU device",
-    "enable_cpu_offload": "keep KV blocks beyond the device pool in pinned host memory, streamed back per layer",
-    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
-    "enforce_eager": "disable CUDA graphs",
-    "async_scheduling": "schedule and launch the next step before this step's tokens reach the host",
-    "tensor_parallel_size": "GPUs per model (only 1 for now)",
-    "dtype": "auto, float32, float16 or bfloat16",
-    "device": "auto, cuda or cpu",
-    "seed": "seed of the engine's sampling generator",
-    "attention_backend": "auto, torch (pure PyTorch reference) or triton (CUDA kernels)",
-    "load_format": "auto, or dummy for random weights of the config's shape",
-}
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in ("model", "hf_config"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if str(f.type).startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
-            group.add_argument(flag, type=kind, default=None, help=f"{_HELP.get(f.name, '')} (default: {f.default})")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and k != "model" and v is not None}
 
 
 def cmd_fetch(args: argparse.Namespace) -> None:
@@ -168,15 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_ppl_parser(sub)
     return parser
-
-
-def run_command(command, args: argparse.Namespace) -> None:
-    """Run a subcommand; a user error (bad option, request or path) prints one line and exits 2."""
-    try:
-        command(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -304,7 +304,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
-    from nanovllm.cli import engine_options
+    from nanovllm.engine_args import engine_options
 
     options = engine_options(args)
     run(args, options, engine_args_from(options))
@@ -323,7 +323,7 @@ def engine_args_from(options: dict) -> list[str]:
 
 
 def add_bench_parser(sub) -> None:
-    from nanovllm.cli import add_engine_options
+    from nanovllm.engine_args import add_engine_options
 
     bench = sub.add_parser("bench", help="benchmarks (serving: latency and throughput under Poisson load)",
                            description="Benchmarks. `nanovllm bench serving` measures a server under Poisson load.")

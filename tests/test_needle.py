@@ -228,7 +228,7 @@ def test_run_needle_refuses_lengths_over_max_model_len(tokenizer, tmp_path):
 # ---- command line -------------------------------------------------------------------------------
 
 def test_cli_arguments():
-    from nanovllm.cli import engine_options
+    from nanovllm.engine_args import engine_options
 
     args = nd.build_parser().parse_args([
         "--model", "m", "--lengths", "1k", "2048", "4K", "--depths", "0", "33.3", "100", "--samples-per-cell", "2",

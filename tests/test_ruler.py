@@ -374,7 +374,7 @@ def test_run_ruler_refuses_lengths_over_max_model_len(tokenizer, tmp_path):
 def test_cli_arguments():
     import argparse
 
-    from nanovllm.cli import engine_options
+    from nanovllm.engine_args import engine_options
     from nanovllm.eval.ruler.run import add_ruler_parser, build_parser, cmd_ruler
 
     args = build_parser().parse_args(["--model", "m", "--lengths", "4k", "8192", "--tasks", "vt", "qa_1",

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
+from nanovllm.engine_args import add_engine_options, engine_options, run_command
 from nanovllm.eval.ruler import data
 from nanovllm.eval.ruler.common import NOISE
 from nanovllm.eval.ruler.niah import NEEDLE, random_item
@@ -439,8 +440,6 @@ def parse_length(text: str) -> int:
 
 
 def add_needle_arguments(parser: argparse.ArgumentParser) -> None:
-    from nanovllm.cli import add_engine_options  # lazily: nanovllm.cli imports this module
-
     parser.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--lengths", type=parse_length, nargs="+", default=list(DEFAULT_LENGTHS), metavar="LEN",
                         help="context lengths in tokens (prompt + %d new tokens), e.g. 1024 4k 8K "
@@ -466,7 +465,6 @@ def add_needle_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_needle(args: argparse.Namespace) -> dict:
     from nanovllm import LLM
-    from nanovllm.cli import engine_options
 
     _check_grid(args.lengths, args.depths)  # refuse bad arguments before loading the model
     if args.samples_per_cell < 1:
@@ -499,8 +497,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """`nanovllm needle ...` without the word `needle`: main(["--lengths", "1k", "2k"])."""
-    from nanovllm.cli import run_command
-
     run_command(cmd_needle, build_parser().parse_args(argv))
 
 

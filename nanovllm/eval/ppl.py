@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm.engine_args import add_engine_options, engine_options
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -51,8 +52,6 @@ def perplexity(llm, token_ids: list[int], max_length: int, stride: int, use_tqdm
 
 
 def add_ppl_parser(subparsers) -> None:
-    from nanovllm.cli import add_engine_options
-
     p = subparsers.add_parser("ppl", help="sliding-window perplexity of a text file")
     p.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--file", required=True, help="UTF-8 text file to score")
@@ -65,7 +64,6 @@ def add_ppl_parser(subparsers) -> None:
 
 def cmd_ppl(args: argparse.Namespace) -> None:
     from nanovllm import LLM
-    from nanovllm.cli import engine_options
 
     options = engine_options(args)
     options.setdefault("max_model_len", args.max_length + 1)

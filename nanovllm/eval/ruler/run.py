@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from nanovllm.engine_args import add_engine_options, engine_options, run_command
 from nanovllm.eval.ruler import data
 from nanovllm.eval.ruler.report import markdown_table, save_chart
 from nanovllm.eval.ruler.scoring import passed, sample_score, summarize
@@ -151,8 +152,6 @@ def parse_length(text: str) -> int:
 
 
 def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
-    from nanovllm.cli import add_engine_options
-
     parser.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--lengths", type=parse_length, nargs="+", default=[4096],
                         help="sequence lengths in tokens (prompt + max new tokens), e.g. 4096 8k (default: 4096)")
@@ -175,7 +174,6 @@ def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_ruler(args: argparse.Namespace) -> dict:
     from nanovllm import LLM
-    from nanovllm.cli import engine_options
 
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
@@ -218,6 +216,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """`nanovllm ruler ...` without the word `ruler`: main(["--lengths", "4096", "--samples", "5"])."""
-    from nanovllm.cli import run_command
-
     run_command(cmd_ruler, build_parser().parse_args(argv))
