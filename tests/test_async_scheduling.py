@@ -130,7 +130,7 @@ def test_with_cpu_offload(tiny_llama):
     want = outputs(engine(tiny_llama, False, **opts), prompts(), params)
     llm = engine(tiny_llama, True, **opts)
     assert outputs(llm, prompts(), params) == want
-    assert llm.runner.offloader.stats.d2h_bytes > 0
+    assert llm.runner.host_pool.stats.d2h_bytes > 0
     assert_all_free(llm)
 
 

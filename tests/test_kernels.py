@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 from nanovllm.kernels.reference import HostKV, merge_attention_states, paged_attention_reference
+from nanovllm.engine.kv_cache import store_kv
 from nanovllm.layers.attention import get_attention_backend
 
 CUDA = torch.cuda.is_available()
@@ -149,8 +150,7 @@ def test_reference_matches_torch_backend():
     backend = get_attention_backend("torch")
     meta = backend.build_metadata(query_lens, seq_lens, [[int(x) for x in t if x >= 0] for t in b.block_tables],
                                   _new_token_slots(b), b.k_cache.shape[1], DEVICE)
-    new_k, new_v = _new_kv(b, meta.slot_mapping)
-    want = backend.forward(b.q, new_k, new_v, b.k_cache, b.v_cache, meta, 0.17)
+    want = backend.forward(b.q, b.k_cache, b.v_cache, meta, 0.17)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     assert lse.shape == out.shape[:2] and torch.isfinite(lse).all()
 
@@ -330,7 +330,8 @@ def _run_backend(name: str, b: Batch, meta_args: tuple, new_k, new_v, scale: flo
     backend = get_attention_backend(name)
     meta = backend.build_metadata(*meta_args)
     k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
-    out = backend.forward(b.q, new_k, new_v, k_cache, v_cache, meta, scale)
+    store_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)  # what KVAccess does before attending
+    out = backend.forward(b.q, k_cache, v_cache, meta, scale)
     return backend, meta, out, k_cache, v_cache
 
 
@@ -353,7 +354,7 @@ def test_backend_matches_torch_backend(ops, decode):
     assert torch.equal(got_k.nan_to_num(), want_k.nan_to_num()) and torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
     out_atol, out_rtol, _ = TOLERANCES[dtype]
     torch.testing.assert_close(got, want, atol=out_atol, rtol=out_rtol)
-    out, lse = backend.forward_with_lse(b.q, new_k, new_v, got_k, got_v, meta, 0.125)
+    out, lse = backend.forward_with_lse(b.q, got_k, got_v, meta, 0.125)
     ref = paged_attention_reference(b.q, got_k, got_v, meta.cu_query_lens, meta.seq_lens_tensor,
                                     meta.block_tables_tensor, 0.125)
     assert_matches((out, lse), ref, dtype)
@@ -479,7 +480,8 @@ def test_decode_without_host_sync_and_in_cuda_graph(ops):
     new_k, new_v = _new_kv(b, meta.slot_mapping)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        return backend.forward_with_lse(b.q, new_k, new_v, b.k_cache, b.v_cache, meta, 0.1)
+        store_kv(new_k, new_v, b.k_cache, b.v_cache, meta.slot_mapping)
+        return backend.forward_with_lse(b.q, b.k_cache, b.v_cache, meta, 0.1)
 
     run()  # compiles the kernels
     torch.cuda.synchronize()

@@ -6,15 +6,19 @@ preemption when the host pool is full) in CI. The cuda-marked tests repeat it on
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import offload
 from nanovllm.engine.block_manager import HOST_BASE, is_host_block
-from nanovllm.engine.offload import COPIES_PER_LAYER, consecutive_runs, split_runs
+from nanovllm.engine.offload import host_pool, staged as staged_module
+from nanovllm.engine.offload.host_pool import consecutive_runs
+from nanovllm.engine.offload.staged import COPIES_PER_LAYER, RING_BASE, split_runs
+from nanovllm.engine.scheduler import ScheduledSeq
+from nanovllm.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 BS = 16
@@ -46,7 +50,7 @@ def reference(tiny_llama):
 
 def offload_llm(path, ring_blocks: int | None = None, monkeypatch=None, **options) -> LLM:
     if ring_blocks is not None:  # ring slots of ring_blocks blocks of one layer's KV (tiny llama: 4 KiB each)
-        monkeypatch.setattr(offload, "RING_SLOT_BYTES", ring_blocks * 2 * BS * 2 * 16 * 4)
+        monkeypatch.setattr(host_pool, "RING_SLOT_BYTES", ring_blocks * 2 * BS * 2 * 16 * 4)
     opts = dict(kvcache_block_size=BS, num_gpu_blocks=6, enable_cpu_offload=True, cpu_kv_cache_gb=0.01,
                 max_num_batched_tokens=64, device="cpu")
     return LLM(str(path), **{**opts, **options})
@@ -74,18 +78,33 @@ def test_split_runs_cuts_the_longest_until_every_copy_has_a_piece():
     assert split_runs([(10, 0, 5)], 4, min_blocks=3) == [(10, 0, 5)]
 
 
+def decode_step(tables: list[list[int]], block_size: int = BS) -> list[ScheduledSeq]:
+    """A decode step of sequences whose last token sits in the last block of each table."""
+    items = []
+    for table in tables:
+        seq = Sequence(list(range(len(table) * block_size)), GREEDY, block_size)
+        seq.block_table, seq.num_computed_tokens = list(table), len(seq) - 1
+        items.append(ScheduledSeq(seq, 1))
+    return items
+
+
 def test_staged_copy_params_name_the_pieces(tiny_llama, monkeypatch):
-    """The (dst, src, nbytes) a decode graph's copy nodes get: each piece's blocks of that layer's host
-    pool to its ring positions; copies without a piece are turned off (None)."""
+    """The planner numbers a decode step's host blocks as ring positions and cuts their runs into copies;
+    the (dst, src, nbytes) a decode graph's copy nodes get: each piece's blocks of that layer's host pool
+    to its ring positions; copies without a piece are turned off (None)."""
     llm = offload_llm(tiny_llama, 32, monkeypatch)
-    o = llm.runner.offloader
-    staged = o.staged
-    tables = staged.prepare([[0, HOST_BASE + 7, HOST_BASE + 8, 1], [HOST_BASE + 3, 2]], [])
-    assert staged.pieces == [(7, 0, 2), (3, 2, 1)]  # tiny blocks: cutting runs would make copies < 1 MiB
-    monkeypatch.setattr(offload, "MIN_COPY_BYTES", 1)
-    tables = staged.prepare([[0, HOST_BASE + 7, HOST_BASE + 8, 1], [HOST_BASE + 3, 2]], [])
-    assert tables == [[0, HOST_BASE, HOST_BASE + 1, 1], [HOST_BASE + 2, 2]]
-    assert staged.pieces == [(7, 0, 1), (8, 1, 1), (3, 2, 1)]  # runs (7, 0, 2), (3, 2, 1); the first cut
+    runner, o = llm.runner, llm.runner.host_pool
+    step = decode_step([[0, HOST_BASE + 7, HOST_BASE + 8, 1], [HOST_BASE + 3, 2]])
+    plan = runner.planner.plan(step, [])
+    assert plan.block_tables == [[0, 7, 8, 1], [3, 2]] and plan.on_host == [[False, True, True, False], [True, False]]
+    assert plan.staged_copies == [(7, 0, 2), (3, 2, 1)]  # tiny blocks: cutting runs would make copies < 1 MiB
+    assert staged_module.ring_tables(plan.block_tables, plan.on_host) == [[0, RING_BASE, RING_BASE + 1, 1],
+                                                                          [RING_BASE + 2, 2]]
+    runner.planner.limits = replace(runner.planner.limits, min_copy_blocks=1)
+    plan = runner.planner.plan(step, [])
+    assert plan.staged_copies == [(7, 0, 1), (8, 1, 1), (3, 2, 1)]  # runs (7, 0, 2), (3, 2, 1); the first cut
+    staged = runner.worker.staged
+    staged.set_step(plan.staged_copies, [])
     params = staged.copy_params()
     assert len(params) == o.num_layers * 2 * COPIES_PER_LAYER
     nbytes = o.host[0, 0, 0].numel() * o.host.element_size()
@@ -93,8 +112,8 @@ def test_staged_copy_params_name_the_pieces(tiny_llama, monkeypatch):
     assert params[(layer, kv, 1)] == (o.ring[kv, layer % 2, 1].data_ptr(), o.host[kv, layer, 8].data_ptr(), nbytes)
     assert params[(0, 0, 2)] == (o.ring[0, 0, 2].data_ptr(), o.host[0, 0, 3].data_ptr(), nbytes)
     assert params[(layer, kv, 3)] is None
-    many = [[HOST_BASE + 2 * i for i in range(COPIES_PER_LAYER + 1)]]
-    assert staged.prepare(many, []) is None  # more runs than copy nodes: the step goes the eager way
+    many = decode_step([[HOST_BASE + 2 * i for i in range(COPIES_PER_LAYER + 1)] + [0]])
+    assert runner.planner.plan(many, []).staged_copies is None  # more runs than copy nodes: the split way
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged-decode", "split-decode"])
@@ -103,20 +122,20 @@ def test_offload_matches_device_only(tiny_llama, reference, monkeypatch, ring_bl
     """Six requests in 6 device blocks: most KV lives on the host, streamed in 1, 3 or 32-block pieces.
     Decode steps whose host blocks fit a slot stage them there (staged), else split attention by LSE."""
     llm = offload_llm(tiny_llama, ring_blocks, monkeypatch)
-    llm.runner.offloader.staged_decode = staged
-    assert llm.runner.offloader.ring_blocks == ring_blocks
-    calls = []
-    prepare = llm.runner.offloader.staged.prepare
-    monkeypatch.setattr(llm.runner.offloader.staged, "prepare", lambda *a: calls.append(r := prepare(*a)) or r)
+    llm.runner.staged_decode = staged
+    assert llm.runner.host_pool.ring_blocks == ring_blocks
+    plans = []
+    plan = llm.runner.planner.plan
+    monkeypatch.setattr(llm.runner.planner, "plan", lambda *a, **k: plans.append(r := plan(*a, **k)) or r)
     got = generate(llm, prompts())
     assert_same(got, reference)
-    stats = llm.runner.offloader.stats
+    stats = llm.runner.host_pool.stats
     assert stats.d2h_bytes > 0 and stats.h2d_bytes > stats.d2h_bytes  # history is read back every step
-    staged_with_host = [r for r in calls if r is not None and any(b >= HOST_BASE for t in r for b in t)]
+    staged_with_host = [p for p in plans if p.staged_copies]
     if staged and ring_blocks == 32:
         assert staged_with_host  # decode steps staged their host blocks in a slot
     if not staged:
-        assert not calls
+        assert all(p.staged_copies is None for p in plans)
     assert llm.scheduler.num_preemptions == 0
     assert_all_free(llm)
 
@@ -130,7 +149,7 @@ def test_single_pass_is_bitwise_equal_to_device_only_with_the_same_schedule(tiny
     got = generate(llm, prompts())
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.outputs[0].logprobs for g in got] == [w.outputs[0].logprobs for w in want]
-    assert llm.runner.offloader.stats.h2d_bytes > 0 and llm.scheduler.num_preemptions == 0
+    assert llm.runner.host_pool.stats.h2d_bytes > 0 and llm.scheduler.num_preemptions == 0
     assert_all_free(llm)
 
 
@@ -140,9 +159,9 @@ def test_offload_matches_device_only_cuda(tiny_llama, monkeypatch, ring_blocks):
     """With copy streams and events: float32 on the GPU, most KV on the host."""
     want = generate(LLM(str(tiny_llama), kvcache_block_size=BS, num_gpu_blocks=256, dtype="float32"), prompts())
     llm = offload_llm(tiny_llama, ring_blocks, monkeypatch, device="cuda", dtype="float32")
-    assert llm.runner.offloader.host.is_pinned()
+    assert llm.runner.host_pool.host.is_pinned()
     assert_same(generate(llm, prompts()), want)
-    assert llm.runner.offloader.stats.h2d_bytes > 0
+    assert llm.runner.host_pool.stats.h2d_bytes > 0
     assert llm.runner.graphs.num_replays > 0
     if ring_blocks == 32:  # decode graphs replayed with host blocks copied by their memcpy nodes
         assert llm.runner.graphs.num_staged_replays > 0
@@ -169,7 +188,7 @@ def test_full_host_pool_preempts_and_resumes(tiny_llama, reference):
     llm = offload_llm(tiny_llama, cpu_kv_cache_gb=30 * bytes_per_block / 2**30, num_gpu_blocks=8)
     assert llm.block_manager.num_host_blocks == 30
     assert_same(generate(llm, prompts()), reference)
-    assert llm.scheduler.num_preemptions > 0 and llm.runner.offloader.stats.d2h_bytes > 0
+    assert llm.scheduler.num_preemptions > 0 and llm.runner.host_pool.stats.d2h_bytes > 0
     assert_all_free(llm)
 
 
@@ -222,7 +241,7 @@ def test_prefix_caching_with_offload(tiny_llama, reference):
     again = generate(llm, prompts())
     assert_same(again, reference)
     assert sum(o.metrics.num_cached_tokens for o in again) >= BS
-    assert llm.runner.offloader.stats.d2h_bytes > 0
+    assert llm.runner.host_pool.stats.d2h_bytes > 0
     assert_all_free(llm)
 
 
@@ -235,7 +254,7 @@ def test_smollm2_greedy_with_offload_cpu(smollm2_path):
               cpu_kv_cache_gb=0.2, max_num_batched_tokens=512)
     got = generate(llm, [text], params)
     assert got[0].token_ids == want[0].token_ids
-    assert llm.runner.offloader.stats.h2d_bytes > 0
+    assert llm.runner.host_pool.stats.h2d_bytes > 0
     assert_all_free(llm)
 
 
@@ -257,5 +276,5 @@ def test_smollm2_greedy_with_offload_cuda(smollm2_path, length):
     off = LLM(str(smollm2_path), num_gpu_blocks=12, enable_cpu_offload=True, cpu_kv_cache_gb=1.0, **schedule)
     got = generate(off, batch, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert off.runner.offloader.stats.h2d_bytes > 0
+    assert off.runner.host_pool.stats.h2d_bytes > 0
     assert_all_free(off)

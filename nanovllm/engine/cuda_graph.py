@@ -7,14 +7,15 @@ Per-step inputs are copied into static tensors; nothing on the replay path waits
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from nanovllm.engine.graph_copies import GraphCopies
-from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.attention import AttentionMetadata
+from nanovllm.layers.kv_access import KVAccess
 
 
 def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
@@ -36,17 +37,18 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, backend: AttentionBackend, kv_cache, max_batch: int,
+    def __init__(self, model: nn.Module, make_kv: Callable[[AttentionMetadata, bool], KVAccess], buckets: list[int],
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
-                 last_tokens: torch.Tensor, offload: Any = None):
-        """last_tokens: where an input id -(row + 1) is read from (the previous step's sampled tokens);
-        offload: a StagedDecode, or None. With it, a second set of graphs is captured with it attached
-        (they copy host-resident KV into a ring slot, with addresses it sets before each replay) for steps
-        with host KV; steps without replay the plain graphs, free of the copies' cross-stream dependencies."""
-        self.model, self.backend, self.kv_cache, self.offload = model, backend, kv_cache, offload
+                 last_tokens: torch.Tensor, staged=None):
+        """make_kv(meta, staged): the KV access a graph is captured with; last_tokens: where an input id
+        -(row + 1) is read from (the previous step's sampled tokens); staged: the offload `StagedCopies`,
+        or None. With it, a second set of graphs is captured with staged KV access (they copy host-resident
+        KV into a ring slot, with addresses it sets before each replay) for steps with host KV; steps
+        without replay the plain graphs, free of the copies' cross-stream dependencies."""
+        self.model, self.make_kv, self.offload = model, make_kv, staged
         self.last_tokens = last_tokens
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = buckets
         n = self.buckets[-1]
         # Per row: token id, position, KV slot, then the block table. One pinned staging copy on the host,
         # filled in place each step, and one host-to-device copy of the rows in use.
@@ -69,40 +71,37 @@ class DecodeGraphs:
         self.num_staged_replays = 0
         self._capture_all()
 
-    def _metadata(self, bs: int, offload: Any) -> AttentionMetadata:
+    def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             query_lens=[1] * bs, seq_lens=[1] * bs, block_tables=[], slot_mapping=self.slot_mapping[:bs],
             cu_query_lens=self.cu_query_lens[: bs + 1], seq_lens_tensor=self.seq_lens[:bs],
-            block_tables_tensor=self.block_tables[:bs], block_size=self.block_size, offload=offload,
+            block_tables_tensor=self.block_tables[:bs], block_size=self.block_size,
         )
 
-    def _forward(self, bs: int, offload: Any = None) -> torch.Tensor:
+    def _forward(self, bs: int, staged: bool = False) -> torch.Tensor:
         self.seq_lens[:bs].copy_(self.positions[:bs] + 1)
         ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
-        hidden = self.model(ids, self.positions[:bs], self.kv_cache, self._metadata(bs, offload))
+        hidden = self.model(ids, self.positions[:bs], self.make_kv(self._metadata(bs), staged))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
-        for offload in [None] + ([self.offload] if self.offload is not None else []):
+        for staged in [False] + ([True] if self.offload is not None else []):
             for bs in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
-                self._forward(bs, offload)  # warm-up: compiles kernels and allocates outside the graph
+                self._forward(bs, staged)  # warm-up: compiles kernels and allocates outside the graph
                 torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph(keep_graph=offload is not None)
+                graph = torch.cuda.CUDAGraph(keep_graph=staged)
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(bs, offload)
+                    logits = self._forward(bs, staged)
                 pool = graph.pool()
-                if offload is None:
+                if not staged:
                     self.graphs[bs], self.logits[bs] = graph, logits
                 else:  # its host->device copies get new addresses before each replay
                     graph.instantiate()
                     self.copies[bs] = GraphCopies(graph, offload.placeholders)
                     self.staged_graphs[bs], self.staged_logits[bs] = graph, logits
         torch.cuda.synchronize(self.device)
-
-    def fits(self, batch_size: int) -> bool:
-        return batch_size <= self.buckets[-1]
 
     def _fill_padding(self, rows: np.ndarray, start: int, end: int) -> None:
         """Rows [start, end): token 0 at position 0 writing to the scratch block; tables all scratch."""
@@ -111,11 +110,10 @@ class DecodeGraphs:
         rows[start:end, 3:] = self.scratch_block
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
-            staged: bool = False) -> torch.Tensor:
-        """Replay the decode graph for len(token_ids) sequences; returns their logits [B, vocab].
-        staged: the tables name host blocks (the offload handler planned their copies)."""
+            bs: int, staged: bool = False) -> torch.Tensor:
+        """Replay the decode graph of bucket bs for len(token_ids) <= bs sequences; returns their logits
+        [B, vocab]. staged: the tables name ring positions (StagedCopies holds the step's copies)."""
         b = len(token_ids)
-        bs = next(size for size in self.buckets if size >= b)
         self.staged.synchronize()  # with async scheduling the previous step's copy may still be queued
         rows = self.staging.numpy()
         rows[:b, 0], rows[:b, 1], rows[:b, 2] = token_ids, positions, slots

@@ -114,6 +114,7 @@ class LLMEngine:
         if req is not None:
             del self._by_seq_id[req.seq.seq_id]
             self.scheduler.finish(req.seq, "abort")
+            self.runner.release(req.seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -197,6 +198,7 @@ class LLMEngine:
             outputs.append(self._output(req))
         if seq.is_finished:
             del self.requests[req.request_id], self._by_seq_id[seq.seq_id]
+            self.runner.release(seq)
 
     def _stop_reason(self, req: _Request, token: int, num_tokens: int) -> str | None:
         params = req.seq.params

@@ -39,7 +39,6 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.generator = None  # per-request torch.Generator when params.seed is set
 
     def __len__(self) -> int:
         return len(self.token_ids)

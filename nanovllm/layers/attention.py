@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,6 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [num_seqs]
     block_tables_tensor: torch.Tensor  # [num_seqs, max_blocks], padded with -1
     block_size: int
-    offload: Any = None  # an OffloadStep when part of the KV lives in host memory (engine/offload.py)
     plans: dict = field(default_factory=dict)  # backend-owned per-step state (e.g. kernel work schedules)
 
     @property
@@ -71,22 +69,20 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         host_kv: HostKV | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D] new tokens; caches: [num_blocks, block_size, Hk, D].
-        Writes k, v into the cache at meta.slot_mapping and returns [T, Hq, D]. host_kv (decode steps):
+        """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D], the step's new K/V already stored
+        (KVAccess does that). Returns [T, Hq, D]. host_kv (decode steps):
         block-table entries >= host_kv.base name this layer's blocks in a second pool (an offload ring
         slot, or pinned host memory read in place)."""
 
     @abstractmethod
     def forward_with_lse(
-        self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like forward, also returning the log-sum-exp [T, Hq] (float32, natural log) of each row's scores,
@@ -132,12 +128,6 @@ def get_attention_backend(name: str) -> AttentionBackend:
     return _BACKENDS[name]()
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    num_heads, head_dim = k.shape[1:]
-    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v)
-
-
 def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
     """Boolean mask letting new token j (at position seq_len - query_len + j) see keys up to itself."""
     if query_len == 1:
@@ -148,8 +138,7 @@ def causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Ten
 
 @register_attention_backend("torch")
 class TorchPagedAttention(AttentionBackend):
-    def forward_with_lse(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward_with_lse(self, q, k_cache, v_cache, meta, scale, out=None):
         result = paged_attention_reference(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
                                            meta.block_tables_tensor, scale)
         if out is None:
@@ -166,11 +155,10 @@ class TorchPagedAttention(AttentionBackend):
         out[0][rows] = merged
         out[1][rows] = merged_lse
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, host_kv=None):
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k_cache, v_cache, meta, scale, host_kv=None):
         host_k, host_v, base = host_kv or (None, None, None)
         out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
+        group = q.shape[1] // k_cache.shape[2]
         start = 0
         for query_len, seq_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor):
             qi = q[start : start + query_len].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D for the fused kernels

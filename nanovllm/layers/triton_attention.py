@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, register_attention_backend, store_kv
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, register_attention_backend
 
 if TYPE_CHECKING:
     from nanovllm.kernels.triton_paged_attention import PrefillConfig
@@ -41,28 +41,24 @@ class TritonPagedAttention(AttentionBackend):
             raise RuntimeError("the 'triton' attention backend needs the triton package") from e
         self.ops = triton_paged_attention
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, host_kv=None):
+    def forward(self, q, k_cache, v_cache, meta, scale, host_kv=None):
         if host_kv is None:
-            return self.forward_with_lse(q, k, v, k_cache, v_cache, meta, scale)[0]
+            return self.forward_with_lse(q, k_cache, v_cache, meta, scale)[0]
         if not is_decode_step(q, meta):
             raise ValueError("host-resident KV is read in place by decode steps only")
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.ops.paged_decode_attention(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
                                                meta.block_tables_tensor, scale, host_kv=host_kv)[0]
 
     def forward_with_lse(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v into the cache, then returns (out [T, Hq, D], lse [T, Hq] float32 natural log)."""
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """Returns (out [T, Hq, D], lse [T, Hq] float32 natural log) over the cache (new K/V already stored)."""
         tensors = (q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor, meta.block_tables_tensor, scale)
         if is_decode_step(q, meta):
             return self.ops.paged_decode_attention(*tensors, out=out)

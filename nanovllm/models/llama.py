@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.fused_ops import LayerOps
+from nanovllm.layers.kv_access import KVAccess
 from nanovllm.layers.norm import RMSNorm
 from nanovllm.layers.rotary import RotaryEmbedding
 from nanovllm.models.registry import register_model
@@ -65,7 +65,7 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int, ops: LayerOps):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, ops: LayerOps):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -78,20 +78,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
         self.eps = cfg.rms_norm_eps
-        self.backend, self.ops = backend, ops
+        self.ops = ops
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, rope, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope, x, kv: KVAccess) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         norm_weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps)
-        if meta.offload is not None:  # part of the KV is in host memory
-            out = meta.offload.attention(self.layer_idx, self.backend, q, k, v, k_cache, v_cache, meta, self.scale)
-        else:
-            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = kv.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -107,49 +104,48 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_idx: int, ops: LayerOps):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, ops: LayerOps):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, layer_idx, ops)
+        self.self_attn = Attention(cfg, layer_idx, ops)
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, rope, x, residual, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rope, x, residual, kv: KVAccess) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (None: first layer).
         Returns this layer's MLP output and the residual stream before it; the next norm adds them."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, h, k_cache, v_cache, meta)
+        x = self.self_attn(rope, h, kv)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(self, cfg: DecoderConfig, ops: LayerOps):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, ops) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv: KVAccess) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
         residual = None
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            x, residual = layer(rope, x, residual, k_cache, v_cache, meta)
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, kv)
         return self.norm(x, residual)[0]
 
 
 @register_model("LlamaForCausalLM")
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config: dict, backend: AttentionBackend, ops: LayerOps | None = None):
+    def __init__(self, hf_config: dict, ops: LayerOps | None = None):
         super().__init__()
         self.config = cfg = self.parse_config(hf_config)
-        self.model = DecoderModel(cfg, backend, ops or LayerOps())
+        self.model = DecoderModel(cfg, ops or LayerOps())
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -162,8 +158,9 @@ class LlamaForCausalLM(nn.Module):
     def parse_config(hf_config: dict) -> DecoderConfig:
         return DecoderConfig.from_hf(hf_config)
 
-    def forward(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, meta)
+    def forward(self, input_ids, positions, kv: KVAccess) -> torch.Tensor:
+        """input_ids, positions: [T] tokens of every sequence in the step; kv: the step's KV access."""
+        return self.model(input_ids, positions, kv)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -9,7 +9,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm.layers.attention import AttentionBackend
 from nanovllm.layers.fused_ops import LayerOps
 from nanovllm.models.registry import model_class_for
 
@@ -58,13 +57,13 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
 
 
 def build_model(
-    hf_config: dict, backend: AttentionBackend, dtype: torch.dtype, device: torch.device, model_dir: Path | None,
+    hf_config: dict, dtype: torch.dtype, device: torch.device, model_dir: Path | None,
     seed: int = 0, ops: LayerOps | None = None,
 ) -> nn.Module:
     """Create the model without initialising weights, then load them (or randomise from seed when model_dir is None)."""
     cls = model_class_for(hf_config)
     with torch.device("meta"):
-        model = cls(hf_config, backend, ops)
+        model = cls(hf_config, ops)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     if model_dir is None:

@@ -1,0 +1,100 @@
+"""The pinned host KV pool, the GPU ring of staging slots and the copy streams.
+
+On the CPU ("device" and host pools both in RAM) the streams are absent and every copy is
+synchronous, which is how the offload strategies are tested in CI.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.engine.kv_cache import PagedKVCache
+
+RING_SLOTS = 2
+RING_SLOT_BYTES = 256 * 2**20  # per slot; a 128-block slot of Llama-8B-shaped KV (1 MiB per block and layer)
+
+
+def ring_blocks_for(bytes_per_block_and_layer: int) -> int:
+    """Blocks per ring slot: RING_SLOT_BYTES of one layer's KV."""
+    return max(1, RING_SLOT_BYTES // bytes_per_block_and_layer)
+
+
+def consecutive_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs -> (src start, dst start, length) runs where both sides are consecutive."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [tuple(r) for r in runs]
+
+
+@dataclass
+class TransferStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+
+
+class HostKVPool:
+    """The host pool [2, layers, host blocks, block_size, Hk, D] (pinned on CUDA), the ring
+    [2, RING_SLOTS, ring_blocks, block_size, Hk, D] on the device, and the h2d / d2h copy streams."""
+
+    def __init__(self, kv_cache: PagedKVCache, num_host_blocks: int, ring_blocks: int):
+        data = kv_cache.data
+        _, num_layers, _, block_size, num_kv_heads, head_dim = data.shape
+        self.device = data.device
+        self.device_cache = kv_cache
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.ring_blocks = ring_blocks
+        pin = self.device.type == "cuda"
+        self.host = torch.empty(2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim, dtype=data.dtype,
+                                pin_memory=pin)
+        self.ring = torch.empty(2, RING_SLOTS, ring_blocks, block_size, num_kv_heads, head_dim, dtype=data.dtype,
+                                device=self.device)
+        self.h2d_stream = torch.cuda.Stream(self.device) if pin else None
+        self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
+        self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
+        self.stats = TransferStats()
+
+    @property
+    def cuda(self) -> bool:
+        return self.h2d_stream is not None
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.shape[2]
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        return self.host[:, 0, 0].numel() * self.host.element_size()
+
+    def copy_out(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
+        """Copy one layer's (device start, host start, n) runs to the host pool on the current stream."""
+        device_kv = self.device_cache.data
+        for device_start, host_start, n in runs:
+            for kv in range(2):
+                self.host[kv, layer, host_start : host_start + n].copy_(
+                    device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
+        self.count("d2h", n=2 * len(runs), blocks=sum(r[2] for r in runs))
+
+    def copy_in(self, layer: int, slot: int, runs: list[tuple[int, int, int]]) -> None:
+        """Copy one layer's (host start, ring position, n) runs into a ring slot on the current stream."""
+        for host_start, position, n in runs:
+            for kv in range(2):
+                self.ring[kv, slot, position : position + n].copy_(
+                    self.host[kv, layer, host_start : host_start + n], non_blocking=True)
+        self.count("h2d", n=2 * len(runs), blocks=sum(r[2] for r in runs))
+
+    def count(self, direction: str, n: int, blocks: int) -> None:
+        nbytes = blocks * self.block_bytes_per_layer
+        if direction == "h2d":
+            self.stats.h2d_bytes += nbytes
+            self.stats.h2d_copies += n
+        else:
+            self.stats.d2h_bytes += nbytes
+            self.stats.d2h_copies += n

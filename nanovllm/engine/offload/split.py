@@ -1,0 +1,262 @@
+"""Offload steps outside the decode graphs: attention over device blocks plus host blocks streamed
+through the GPU ring.
+
+Placement (decided by the BlockManager): new KV is always written to device blocks; host blocks are
+full and older than every new token. `SplitKV` splits each layer's attention in two and merges by
+log-sum-exp: over the device blocks with the usual causal backend call on compacted tables (dropping
+whole blocks that precede every query keeps the causal mask right), and over the host blocks without a
+mask, in ring-slot pieces, each merged into the running float32 (out, LSE) inside the kernels. With a
+dense selector every layer copies the same pieces, prefetched on the copy stream while the compute
+stream attends over the other slot. With a narrower selection, each layer's copies are planned from
+that layer's selection (the union over KV heads), so only selected host blocks cross PCIe.
+
+`SinglePassKV`: when the step's whole KV fits one ring slot, the device blocks are gathered into the
+slot beside the host blocks and attention runs once over it with tables in position order: the very
+arithmetic of device-only mode with the same schedule.
+
+Blocks moved out by this step's scheduling are copied device->host on the d2h stream at the start of
+the step, one layer at a time; each layer waits for its copy before storing new K/V, because the freed
+device blocks may be reused in the same step.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, consecutive_runs
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.block_selector import BlockSelector, SelectionInput
+from nanovllm.layers.kv_access import KVAccess, head_rows, select_blocks
+
+
+@dataclass
+class HistoryPiece:
+    """Host blocks that fit in one ring slot: copy runs (host start, slot start, n) and the metadata of
+    attention over them (seq_lens: each sequence's host tokens in this piece, tables into the slot)."""
+
+    runs: list[tuple[int, int, int]]
+    meta: AttentionMetadata
+
+
+def pack(host_tables: list[list[int]], ring_blocks: int) -> list[tuple[list[tuple[int, int, int]], list[list[int]]]]:
+    """Fill ring slots with each sequence's host blocks (runs of consecutive ids kept together):
+    per piece, the copy runs and each sequence's table of ring positions."""
+    pieces: list[tuple[list[tuple[int, int, int]], list[list[int]]]] = []
+    runs: list[tuple[int, int, int]] = []
+    tables: list[list[int]] = [[] for _ in host_tables]
+    for i, blocks in enumerate(host_tables):
+        for host_start, _, length in consecutive_runs([(b, b) for b in sorted(blocks)]):
+            while length:
+                used = sum(r[2] for r in runs)
+                take = min(length, ring_blocks - used)
+                runs.append((host_start, used, take))
+                tables[i].extend(range(used, used + take))
+                host_start, length = host_start + take, length - take
+                if used + take == ring_blocks:
+                    pieces.append((runs, tables))
+                    runs, tables = [], [[] for _ in host_tables]
+    if runs:
+        pieces.append((runs, tables))
+    return pieces
+
+
+class _OffloadKV(KVAccess):
+    """What both strategies share: the step's device->host copies, per layer, on the d2h stream."""
+
+    def __init__(self, pool: HostKVPool, cache: PagedKVCache, backend: AttentionBackend,
+                 offloads: list[tuple[int, int]]):
+        self.pool, self.cache, self.backend = pool, cache, backend
+        self.offload_runs = consecutive_runs(sorted(offloads))
+        self.d2h_done: list[torch.cuda.Event] = []
+        self.copied: dict[int, torch.cuda.Event] = {}
+        self.slot_free: list[torch.cuda.Event | None] = [None] * RING_SLOTS
+
+    def _compute_stream(self):
+        return torch.cuda.current_stream(self.pool.device) if self.pool.cuda else None
+
+    def begin(self) -> None:
+        """Enqueue the device->host copies of every layer (and, in subclasses, the first ring fills)."""
+        o = self.pool
+        if o.cuda:
+            o.h2d_stream.wait_stream(self._compute_stream())  # the previous step may still read the ring
+            if o.last_d2h is not None:
+                o.h2d_stream.wait_event(o.last_d2h)  # host blocks it wrote may be read now
+        if not self.offload_runs:
+            return
+        if o.cuda:
+            o.d2h_stream.wait_stream(self._compute_stream())
+        for layer in range(o.num_layers):
+            with torch.cuda.stream(o.d2h_stream) if o.cuda else nullcontext():
+                o.copy_out(layer, self.offload_runs)
+                if o.cuda:
+                    event = torch.cuda.Event()
+                    event.record(o.d2h_stream)
+                    self.d2h_done.append(event)
+        if o.cuda:
+            o.last_d2h = self.d2h_done[-1]
+
+    def _fill(self, layer: int, slot: int, runs: list[tuple[int, int, int]], key: int) -> None:
+        """Copy runs of layer's host blocks into a ring slot on the copy stream (event copied[key])."""
+        o = self.pool
+        with torch.cuda.stream(o.h2d_stream) if o.cuda else nullcontext():
+            if o.cuda:
+                if self.slot_free[slot] is not None:
+                    o.h2d_stream.wait_event(self.slot_free[slot])
+                if self.d2h_done:
+                    o.h2d_stream.wait_event(self.d2h_done[layer])
+            o.copy_in(layer, slot, runs)
+            if o.cuda:
+                event = torch.cuda.Event()
+                event.record(o.h2d_stream)
+                self.copied[key] = event
+
+    def _wait_copied(self, key: int) -> None:
+        if self.pool.cuda:
+            self._compute_stream().wait_event(self.copied.pop(key))
+
+    def _free_slot(self, slot: int) -> None:
+        if self.pool.cuda:
+            freed = torch.cuda.Event()
+            freed.record(self._compute_stream())
+            self.slot_free[slot] = freed
+
+    def _store(self, layer: int, k, v, slots: torch.Tensor) -> None:
+        if self.d2h_done:
+            self._compute_stream().wait_event(self.d2h_done[layer])  # reused device blocks must be copied out first
+        self.cache.write(layer, k, v, slots)
+
+
+class SinglePassKV(_OffloadKV):
+    """The step's whole KV in one ring slot, attended once (module docstring). Dense selection only."""
+
+    def __init__(self, pool, cache, backend, offloads, block_tables: list[list[int]], on_host: list[list[bool]],
+                 query_lens: list[int], seq_lens: list[int], slots: torch.Tensor):
+        super().__init__(pool, cache, backend, offloads)
+        bs = pool.block_size
+        ring_tables, host_pairs, device_src, device_dst = [], [], [], []
+        position = 0
+        for table, flags in zip(block_tables, on_host):
+            ring_tables.append(list(range(position, position + len(table))))
+            for i, (block, host) in enumerate(zip(table, flags)):
+                (host_pairs.append((block, position + i)) if host else
+                 (device_src.append(block), device_dst.append(position + i)))
+            position += len(table)
+        as_index = lambda x: torch.tensor(x, dtype=torch.int64).to(pool.device, non_blocking=True)  # noqa: E731
+        self.device_src, self.device_dst = as_index(device_src), as_index(device_dst)
+        self.meta = backend.build_metadata(query_lens, seq_lens, ring_tables, [], bs, pool.device)
+        self.host_runs = consecutive_runs(host_pairs)
+        self.slots = slots  # the new tokens' device slots
+
+    def begin(self) -> None:
+        super().begin()
+        for layer in range(min(RING_SLOTS, self.pool.num_layers)):
+            self._fill(layer, layer % RING_SLOTS, self.host_runs, layer)
+
+    def attend(self, layer, q, k, v, scale):
+        self._store(layer, k, v, self.slots)  # the device cache keeps the new KV ...
+        slot = layer % RING_SLOTS
+        ring_k, ring_v = self.pool.ring[0, slot], self.pool.ring[1, slot]
+        k_cache, v_cache = self.cache.layer(layer)
+        if self.device_src.numel():  # ... and the ring gets every device block, the new KV included
+            ring_k.index_copy_(0, self.device_dst, k_cache.index_select(0, self.device_src))
+            ring_v.index_copy_(0, self.device_dst, v_cache.index_select(0, self.device_src))
+        self._wait_copied(layer)
+        out = self.backend.forward(q, ring_k, ring_v, self.meta, scale)
+        self._free_slot(slot)
+        if layer + RING_SLOTS < self.pool.num_layers:
+            self._fill(layer + RING_SLOTS, slot, self.host_runs, layer + RING_SLOTS)
+        return out
+
+
+class SplitKV(_OffloadKV):
+    """Device blocks, then host pieces through the ring, merged by LSE (module docstring)."""
+
+    def __init__(self, pool, cache, backend, offloads, block_tables: list[list[int]], on_host: list[list[bool]],
+                 query_lens: list[int], seq_lens: list[int], slots: list[int], selector: BlockSelector):
+        super().__init__(pool, cache, backend, offloads)
+        bs = pool.block_size
+        self.block_tables, self.on_host, self.selector = block_tables, on_host, selector
+        self.batch = SelectionInput(query_lens, seq_lens, bs)
+        device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
+        compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
+        self.meta = backend.build_metadata(query_lens, compact_lens, device_tables, slots, bs, pool.device)
+        host_tables = [[b for b, h in zip(t, f) if h] for t, f in zip(block_tables, on_host)]
+        self.pieces = [] if not selector.dense else self._pieces(host_tables)
+
+    def _pieces(self, host_tables: list[list[int]]) -> list[HistoryPiece]:
+        bs, q_lens = self.pool.block_size, self.batch.query_lens
+        return [HistoryPiece(runs, self.backend.build_metadata(q_lens, [len(t) * bs for t in tables], tables, [], bs,
+                                                               self.pool.device))
+                for runs, tables in pack(host_tables, self.pool.ring_blocks)]
+
+    @property
+    def num_units(self) -> int:
+        return self.pool.num_layers * len(self.pieces)
+
+    def begin(self) -> None:
+        super().begin()
+        for unit in range(min(RING_SLOTS, self.num_units)):
+            self._fill_unit(unit)
+
+    def _fill_unit(self, unit: int) -> None:
+        """(layer, piece) = divmod(unit, pieces) into ring slot unit % RING_SLOTS."""
+        layer, p = divmod(unit, len(self.pieces))
+        self._fill(layer, unit % RING_SLOTS, self.pieces[p].runs, unit)
+
+    def attend(self, layer, q, k, v, scale):
+        self._store(layer, k, v, self.meta.slot_mapping)
+        k_cache, v_cache = self.cache.layer(layer)
+        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], self.batch)
+        if selection is not None:
+            return self._attend_selected(layer, q, k_cache, v_cache, selection, scale)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        self.backend.forward_with_lse(q, k_cache, v_cache, self.meta, scale, out=(out, lse))
+        for p, piece in enumerate(self.pieces):
+            unit = layer * len(self.pieces) + p
+            slot = unit % RING_SLOTS
+            self._wait_copied(unit)
+            # merged into (out, lse) by log-sum-exp inside the kernels: no separate merge pass
+            self.backend.history_attention(q, self.pool.ring[0, slot], self.pool.ring[1, slot], piece.meta, scale,
+                                           (out, lse))
+            self._free_slot(slot)
+            if unit + RING_SLOTS < self.num_units:
+                self._fill_unit(unit + RING_SLOTS)
+        return out.to(q.dtype)
+
+    def _attend_selected(self, layer: int, q, k_cache, v_cache, selection, scale) -> torch.Tensor:
+        """Per KV head over its selected blocks; this layer copies the union of the heads' host blocks."""
+        bs, num_kv_heads = self.pool.block_size, k_cache.shape[2]
+        masks = [m.tolist() for m in selection]
+        wanted = [[b for b, h, *keep in zip(t, f, *m) if h and any(keep)]
+                  for t, f, m in zip(self.block_tables, self.on_host, masks)]
+        pieces = pack(wanted, self.pool.ring_blocks)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for head in range(num_kv_heads):
+            rows = head_rows(q, num_kv_heads, head)
+            tables, lens = [], []
+            for t, f, m, n in zip(self.block_tables, self.on_host, masks, self.batch.seq_lens):
+                tables.append([b for b, h, keep in zip(t, f, m[head]) if keep and not h])
+                lens.append(n - (len(t) - len(tables[-1])) * bs)
+            meta = self.backend.build_metadata(self.batch.query_lens, lens, tables, [], bs, q.device)
+            self.backend.forward_with_lse(q[:, rows].contiguous(), k_cache[:, :, head : head + 1],
+                                          v_cache[:, :, head : head + 1], meta, scale, out=(out[:, rows], lse[:, rows]))
+        for runs, _ in pieces:
+            self._fill(layer, 0, runs, -1)
+            self._wait_copied(-1)
+            where = {host + j: position + j for host, position, n in runs for j in range(n)}  # host id -> ring position
+            for head in range(num_kv_heads):
+                rows = head_rows(q, num_kv_heads, head)
+                tables = [[where[b] for b, h, keep in zip(t, f, m[head]) if h and keep and b in where]
+                          for t, f, m in zip(self.block_tables, self.on_host, masks)]
+                meta = self.backend.build_metadata(self.batch.query_lens, [len(t) * bs for t in tables], tables, [],
+                                                   bs, q.device)
+                self.backend.history_attention(q[:, rows].contiguous(), self.pool.ring[0, 0][:, :, head : head + 1],
+                                               self.pool.ring[1, 0][:, :, head : head + 1], meta, scale,
+                                               (out[:, rows], lse[:, rows]))
+            self._free_slot(0)
+        return out.to(q.dtype)

@@ -1,0 +1,161 @@
+"""Host-side step planning: a scheduled step turned into a plain, picklable `StepPlan`.
+
+The planner never touches the device: it reads sequences and block tables, decides which decode graph
+(if any) runs the step and, for offload decode steps staged in a ring slot, the copies. A device
+worker (engine/worker.py) executes the plan; the same plan could drive N workers (tensor parallelism).
+Block locations are explicit: `block_tables` hold ids within their pool and `on_host` says which pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanovllm.engine.block_manager import HOST_BASE
+from nanovllm.engine.offload.staged import COPIES_PER_LAYER, split_runs
+from nanovllm.engine.offload.host_pool import consecutive_runs
+from nanovllm.engine.scheduler import ScheduledSeq
+from nanovllm.engine.sequence import PLACEHOLDER
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What the planner must know of the worker: block size, decode graph buckets (None: no graphs),
+    and for offload decode steps staged in a ring slot the most host blocks (0: staging off) and the
+    shortest copy in blocks."""
+
+    block_size: int
+    graph_buckets: list[int] | None = None
+    offload: bool = False
+    staged_max_blocks: int = 0
+    min_copy_blocks: int = 1
+
+
+@dataclass
+class PromptLogprobRows:
+    """Hidden rows [row, row + len(targets)) of the step predict the prompt tokens `targets`."""
+
+    seq_id: int
+    row: int
+    targets: list[int]
+    top_n: int
+
+
+@dataclass
+class StepPlan:
+    input_ids: list[int]  # -(r + 1): the token sampled in row r of the previous launched step, still on the device
+    positions: list[int]
+    slots: list[int]  # device KV slot (block * block_size + offset) of each new token
+    query_lens: list[int]
+    seq_lens: list[int]  # tokens of KV per sequence after the step
+    block_tables: list[list[int]]  # per sequence, its blocks in position order, ids within their pool
+    on_host: list[list[bool]] | None  # per sequence and block: in the host pool; None: every block on the device
+    offloads: list[tuple[int, int]]  # (device block, host block) copies due before the step's first KV write
+    sample_rows: list[int]  # the rows whose logits are sampled, one per sampling sequence ...
+    sample_seq_ids: list[int]  # ... their sequences ...
+    sample_params: list[SamplingParams]  # ... and sampling parameters
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)  # finished sequences: the worker drops their state
+    graph_batch: int | None = None  # the decode graph bucket that runs the step; None: eager
+    staged_copies: list[tuple[int, int, int]] | None = None  # (host block, ring position, n) per layer: see offload/staged.py
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.sample_rows) == len(self.query_lens) == len(self.input_ids)
+
+    @property
+    def has_host_blocks(self) -> bool:
+        return self.on_host is not None and any(any(t) for t in self.on_host)
+
+
+class StepPlanner:
+    def __init__(self, limits: WorkerLimits):
+        self.limits = limits
+        self.fixed_kv_plans = True  # False when the block selector is not dense: no graphs, no staging
+        self._last_rows: dict[int, int] = {}  # seq_id -> its row in the last launched step's sampled tokens
+        self._released: list[int] = []
+
+    def release(self, seq_id: int) -> None:
+        self._released.append(seq_id)
+
+    def plan(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]], launched: bool = False) -> StepPlan:
+        """launched: the step's tokens stay on the device as inputs of the next step (async scheduling)."""
+        seqs = [item.seq for item in scheduled]
+        sampling = [item for item in scheduled if item.samples]
+        if len(sampling) == len(scheduled) and all(item.num_new_tokens == 1 for item in scheduled):
+            plan = self._decode_plan(seqs, offloads)
+        else:
+            plan = self._mixed_plan(scheduled, offloads)
+        plan.sample_seq_ids = [item.seq.seq_id for item in sampling]
+        plan.sample_params = [item.seq.params for item in sampling]
+        plan.released, self._released = self._released, []
+        if launched:
+            self._last_rows = {seq_id: i for i, seq_id in enumerate(plan.sample_seq_ids)}
+        return plan
+
+    def _decode_plan(self, seqs, offloads) -> StepPlan:
+        bs = self.limits.block_size
+        positions = [len(s) - 1 for s in seqs]
+        ids = [s.token_ids[-1] for s in seqs]
+        if PLACEHOLDER in ids:
+            ids = [self._input_id(s.seq_id, t) for s, t in zip(seqs, ids)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        plan = StepPlan(ids, positions, slots, [1] * len(seqs), [p + 1 for p in positions], [], None, list(offloads),
+                        list(range(len(seqs))), [], [])
+        self._locate_blocks(plan, [s.block_table for s in seqs])
+        plan.staged_copies = self._staged_copies(plan)
+        buckets = self.limits.graph_buckets
+        host_ok = plan.staged_copies is not None or not (plan.has_host_blocks or offloads)
+        if buckets and self.fixed_kv_plans and len(seqs) <= buckets[-1] and host_ok:
+            plan.graph_batch = next(size for size in buckets if size >= len(seqs))
+        return plan
+
+    def _mixed_plan(self, scheduled: list[ScheduledSeq], offloads) -> StepPlan:
+        bs = self.limits.block_size
+        ids, positions, slots, query_lens, seq_lens, tables, rows = [], [], [], [], [], [], []
+        prompt_rows = []
+        for item in scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            if ids[-1] == PLACEHOLDER:  # only ever a sequence's last token
+                ids[-1] = self._input_id(seq.seq_id, PLACEHOLDER)
+            positions.extend(range(start, start + n))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+            end = min(start + n, seq.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+            if seq.params.prompt_logprobs is not None and end > start:
+                prompt_rows.append(PromptLogprobRows(seq.seq_id, len(ids) - n, seq.token_ids[start + 1 : end + 1],
+                                                     seq.params.prompt_logprobs))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_table)
+            if item.samples:
+                rows.append(len(ids) - 1)
+        plan = StepPlan(ids, positions, slots, query_lens, seq_lens, [], None, list(offloads), rows, [], [],
+                        prompt_rows)
+        self._locate_blocks(plan, tables)
+        return plan
+
+    def _locate_blocks(self, plan: StepPlan, tables: list[list[int]]) -> None:
+        """The step's blocks in position order (only those its KV covers), with explicit locations."""
+        if not self.limits.offload:
+            plan.block_tables = tables
+            return
+        bs = self.limits.block_size
+        plan.block_tables, plan.on_host = [], []
+        for table, n in zip(tables, plan.seq_lens):
+            table = table[: -(-n // bs)]
+            plan.block_tables.append([b - HOST_BASE if b >= HOST_BASE else b for b in table])
+            plan.on_host.append([b >= HOST_BASE for b in table])
+
+    def _staged_copies(self, plan: StepPlan) -> list[tuple[int, int, int]] | None:
+        """A decode step's host blocks numbered 0, 1, ... as ring positions, cut into at most
+        COPIES_PER_LAYER copies; None when staging is off or they do not fit (the step goes the split way)."""
+        if not (self.limits.staged_max_blocks and self.fixed_kv_plans):
+            return None
+        host_ids = [b for table, flags in zip(plan.block_tables, plan.on_host) for b, h in zip(table, flags) if h]
+        if len(host_ids) > self.limits.staged_max_blocks:
+            return None
+        return split_runs(consecutive_runs(list(zip(host_ids, range(len(host_ids))))), COPIES_PER_LAYER,
+                          self.limits.min_copy_blocks)
+
+    def _input_id(self, seq_id: int, token: int) -> int:
+        return token if token != PLACEHOLDER else -1 - self._last_rows[seq_id]

@@ -1,0 +1,198 @@
+"""The device worker: executes `StepPlan`s on one device.
+
+It owns what lives on the device: the model, the paged KV pool (and with offload the pinned host pool,
+ring and copy streams), the decode CUDA graphs, the sampling generators and the last launched step's
+sampled tokens. Per step it picks the KV-access strategy the plan calls for, runs the model, and
+samples. It never schedules: everything it needs arrives in the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine import graph_copies
+from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, resolve_placeholders
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.memory import kv_blocks_that_fit, resolve_backend, resolve_device, resolve_dtype
+from nanovllm.engine.offload import offload_kv_access
+from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
+from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
+from nanovllm.engine.step_plan import StepPlan, WorkerLimits
+from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
+from nanovllm.layers.block_selector import BlockSelector, DenseSelector
+from nanovllm.layers.fused_ops import get_layer_ops
+from nanovllm.layers.kv_access import DeviceKV, KVAccess
+from nanovllm.layers.sampler import logprob_entries, sample, sample_on_device
+from nanovllm.models.loader import build_model
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[int, tuple[int, dict[int, float] | None]]  # seq_id -> (token, logprobs)
+    prompt_logprobs: dict[int, list[dict[int, float]]]  # seq_id -> entries for this step's prompt rows
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_dir: Path | None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
+        self.block_size = config.kvcache_block_size
+        self.backend = get_attention_backend(resolve_backend(config.attention_backend, self.device))
+        layer_ops = get_layer_ops("triton" if self.backend.name == "triton" else "torch")
+        self.model = build_model(config.hf_config, self.dtype, self.device, model_dir, config.seed, layer_ops)
+        mc = self.model.config
+        self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.bytes_per_block = PagedKVCache.bytes_per_block(*self.kv_shape, self.dtype)
+        self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
+        # One extra block past the pool: a scratch target for padded rows; the block manager never hands it out.
+        self.kv_cache = PagedKVCache(mc.num_layers, self.num_blocks + 1, *self.kv_shape[1:], self.dtype, self.device)
+        self.host_pool = self._make_host_pool() if config.enable_cpu_offload else None
+        # Decode steps with host KV staged in CUDA graphs need the runtime's graph-update calls.
+        can_stage = self.host_pool is not None and (not self.host_pool.cuda or graph_copies.available())
+        self.staged = StagedCopies(self.host_pool) if can_stage else None
+        self.selector: BlockSelector = DenseSelector()
+        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.graphs = self._capture_graphs()
+
+    @property
+    def limits(self) -> WorkerLimits:
+        return WorkerLimits(self.block_size, self.graphs.buckets if self.graphs else None, self.host_pool is not None,
+                            self.host_pool.ring_blocks if self.staged else 0,
+                            self.staged.min_copy_blocks if self.staged else 1)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_host_blocks if self.host_pool else 0
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _ring_blocks(self) -> int:
+        return ring_blocks_for(self.bytes_per_block // self.kv_shape[0])
+
+    def _make_host_pool(self) -> HostKVPool:
+        host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
+        if host_blocks < 1:
+            raise ValueError(f"cpu_kv_cache_gb={self.config.cpu_kv_cache_gb} holds no KV block "
+                             f"({self.bytes_per_block} bytes each)")
+        return HostKVPool(self.kv_cache, host_blocks, self._ring_blocks())
+
+    def _blocks_that_fit(self) -> int:
+        ring_bytes = RING_SLOTS * self._ring_blocks() * self.bytes_per_block // self.kv_shape[0]
+        return kv_blocks_that_fit(self.config, self.device, self.bytes_per_block,
+                                  ring_bytes if self.config.enable_cpu_offload else 0, self._warm_up_peak)
+
+    def _warm_up_peak(self) -> int:
+        """Peak bytes of a forward pass over max_num_batched_tokens, beyond the KV it used."""
+        warm_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        warm_blocks = -(-warm_tokens // self.block_size)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.kv_cache = PagedKVCache(self.kv_shape[0], warm_blocks, *self.kv_shape[1:], self.dtype, self.device)
+        with torch.inference_mode():
+            meta = self.backend.build_metadata([warm_tokens], [warm_tokens], [list(range(warm_blocks))],
+                                               list(range(warm_tokens)), self.block_size, self.device)
+            ids = torch.arange(warm_tokens, device=self.device) % self.model.config.vocab_size
+            hidden = self.model(ids, torch.arange(warm_tokens, device=self.device), DeviceKV(self.kv_cache, self.backend, meta))
+            self.model.compute_logits(hidden[-1:])
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_cache.data.numel() * self.kv_cache.data.element_size()
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        return peak
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+            return None
+        buckets = batch_buckets(min(self.config.max_num_seqs, 512))
+        return DecodeGraphs(self.model, self._graph_kv, buckets, self.config.num_blocks_per_seq_limit,
+                            self.block_size, self.num_blocks, self.device, self.last_tokens, self.staged)
+
+    def _graph_kv(self, meta: AttentionMetadata, staged: bool) -> KVAccess:
+        return StagedKV(self.kv_cache, self.backend, meta, self.staged) if staged else \
+            DeviceKV(self.kv_cache, self.backend, meta)
+
+    # ---- steps ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
+        logits, prompt_logprobs = self._logits(plan)
+        if logits is None:
+            return StepOutput({}, prompt_logprobs)
+        generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
+        out = sample(logits, plan.sample_params, generators, self.default_generator)
+        return StepOutput({i: (t, lp) for i, t, lp in zip(plan.sample_seq_ids, out.token_ids, out.logprobs)},
+                          prompt_logprobs)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> torch.Tensor | None:
+        """Like execute() without logprobs, but nothing waits for the device: returns the sampled tokens
+        on the device, also kept in last_tokens as the next step's inputs for placeholder ids."""
+        logits, _ = self._logits(plan)
+        if logits is None:
+            return None
+        generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
+        tokens = sample_on_device(logits, plan.sample_params, generators, self.default_generator)
+        self.last_tokens[: len(tokens)].copy_(tokens)
+        return tokens
+
+    def set_block_selector(self, selector: BlockSelector) -> None:
+        self.selector = selector
+
+    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list]]:
+        """The forward pass: logits of the sampling rows (None when no sequence samples this step)."""
+        for seq_id in plan.released:
+            self.generators.pop(seq_id, None)
+        if plan.offloads:
+            self.kv_cache.moved_to_host(plan.offloads)
+        if plan.graph_batch is not None:
+            tables, staged = plan.block_tables, False
+            if plan.staged_copies is not None:
+                self.staged.set_step(plan.staged_copies, plan.offloads)
+                tables, staged = ring_tables(plan.block_tables, plan.on_host), bool(plan.staged_copies)
+            return self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, staged), {}
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        kv = self._kv_access(plan)
+        ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
+        hidden = self.model(ids, as_tensor(plan.positions), kv)
+        prompt_logprobs = self._prompt_logprobs(hidden, plan)
+        if not plan.sample_rows:
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[as_tensor(plan.sample_rows)]), prompt_logprobs
+
+    def _kv_access(self, plan: StepPlan) -> KVAccess:
+        def meta(tables: list[list[int]]) -> AttentionMetadata:
+            return self.backend.build_metadata(plan.query_lens, plan.seq_lens, tables, plan.slots, self.block_size,
+                                               self.device)
+
+        if self.host_pool is None or not (plan.has_host_blocks or plan.offloads or plan.staged_copies):
+            if plan.staged_copies is not None:  # [] : nothing to stage, but the moves are due
+                self.staged.set_step([], plan.offloads)
+            return DeviceKV(self.kv_cache, self.backend, meta(plan.block_tables), self.selector)
+        if plan.staged_copies is not None:
+            self.staged.set_step(plan.staged_copies, plan.offloads)
+            return StagedKV(self.kv_cache, self.backend, meta(ring_tables(plan.block_tables, plan.on_host)), self.staged)
+        slots = torch.tensor(plan.slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        kv = offload_kv_access(self.host_pool, self.kv_cache, self.backend, plan, slots, self.selector)
+        kv.begin()
+        return kv
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan, rows_per_chunk: int = 1024) -> dict[int, list]:
+        result = {}
+        for req in plan.prompt_logprobs:
+            entries = []
+            for lo in range(0, len(req.targets), rows_per_chunk):
+                hi = min(lo + rows_per_chunk, len(req.targets))
+                logits = self.model.compute_logits(hidden[req.row + lo : req.row + hi])
+                entries.extend(logprob_entries(logits, req.targets[lo:hi], req.top_n))
+            result[req.seq_id] = entries
+        return result
+
+    def _generator(self, seq_id: int, params) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        if seq_id not in self.generators:
+            self.generators[seq_id] = torch.Generator(self.device).manual_seed(params.seed)
+        return self.generators[seq_id]
