@@ -1,0 +1,218 @@
+"""The attention seam on the CPU: KV-access strategies with a block selector, the KV-write hook, plans.
+
+A selector that keeps only some blocks (per KV head) must give attention equal to a reference computed
+on exactly those blocks (plus the blocks that hold the queries), in device-only mode and in offload
+mode, and the offload copies must move only the selected host blocks.
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.block_manager import is_host_block, HOST_BASE
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.offload.host_pool import HostKVPool
+from nanovllm.engine.offload.split import SplitKV
+from nanovllm.layers.attention import get_attention_backend
+from nanovllm.layers.block_metadata import BlockKeyBounds
+from nanovllm.layers.block_selector import BlockSelector, SelectionInput, SinkRecentSelector, get_block_selector
+from nanovllm.layers.kv_access import DeviceKV
+
+BS, HK, GROUP, D, LAYERS = 16, 2, 3, 8, 2
+
+
+class RandomHeadSelector(BlockSelector):
+    """A different random subset of blocks per layer and KV head (query blocks deliberately left out
+    half the time: the strategies must switch them on)."""
+
+    name = "random_heads"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.masks: dict[int, list[torch.Tensor]] = {}
+
+    def select(self, layer, q, num_kv_heads, batch: SelectionInput):
+        g = torch.Generator().manual_seed(self.seed * 100 + layer)
+        masks = [torch.rand(num_kv_heads, batch.num_blocks(i), generator=g) < 0.5 for i in range(len(batch.seq_lens))]
+        self.masks[layer] = masks
+        return masks
+
+
+def reference(q, keys_of, masks, query_lens, seq_lens, scale) -> torch.Tensor:
+    """Attention of each query over exactly the selected blocks of its sequence and head (plus the blocks
+    holding queries), causal by true position, in float64. keys_of(i) -> (k, v) [seq_len, HK, D]."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for i, (n, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        k, v = keys_of(i)
+        first_query_block = (seq_len - n) // BS
+        for h in range(HK):
+            blocks = [b for b in range(-(-seq_len // BS)) if masks[i][h, b] or b >= first_query_block]
+            positions = torch.tensor([p for b in blocks for p in range(b * BS, min((b + 1) * BS, seq_len))])
+            kh, vh = k[positions, h].double(), v[positions, h].double()
+            for j in range(n):
+                visible = positions <= seq_len - n + j
+                for qh in range(h * GROUP, (h + 1) * GROUP):
+                    scores = (kh[visible] @ q[row + j, qh].double()) * scale
+                    out[row + j, qh] = torch.softmax(scores, 0) @ vh[visible]
+        row += n
+    return out
+
+
+def random_cache(num_blocks: int, seed: int) -> PagedKVCache:
+    cache = PagedKVCache(LAYERS, num_blocks, BS, HK, D, torch.float32, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(seed)))
+    return cache
+
+
+# Two sequences: a decode (1 query, 5 blocks) and a prefill chunk of 20 queries spanning blocks 1-3.
+QUERY_LENS, SEQ_LENS = [1, 20], [4 * BS + 5, 50]
+
+
+def new_tokens(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(QUERY_LENS)
+    return (torch.randn(t, HK * GROUP, D, generator=g), torch.randn(t, HK, D, generator=g),
+            torch.randn(t, HK, D, generator=g))
+
+
+def slots_of(tables: list[list[int]]) -> list[int]:
+    return [tables[i][p // BS] * BS + p % BS for i, (n, s) in enumerate(zip(QUERY_LENS, SEQ_LENS))
+            for p in range(s - n, s)]
+
+
+@pytest.mark.parametrize("selector_seed", [0, 1, 2])
+def test_device_kv_attends_to_exactly_the_selected_blocks(selector_seed):
+    cache = random_cache(12, seed=1)
+    tables = [[3, 0, 7, 5, 9], [2, 4, 8, 1]]
+    backend = get_attention_backend("torch")
+    meta = backend.build_metadata(QUERY_LENS, SEQ_LENS, tables, slots_of(tables), BS, torch.device("cpu"))
+    selector = RandomHeadSelector(selector_seed)
+    kv = DeviceKV(cache, backend, meta, selector)
+    for layer in range(LAYERS):
+        q, k, v = new_tokens(10 + layer)
+        out = kv.attend(layer, q, k, v, 0.3)
+
+        def keys_of(i):
+            k_cache, v_cache = cache.layer(layer)
+            return (k_cache[tables[i]].flatten(0, 1)[: SEQ_LENS[i]], v_cache[tables[i]].flatten(0, 1)[: SEQ_LENS[i]])
+
+        want = reference(q, keys_of, selector.masks[layer], QUERY_LENS, SEQ_LENS, 0.3)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        assert any(not m.all() for m in selector.masks[layer])  # the selection really drops blocks
+
+
+@pytest.mark.parametrize("ring_blocks", [1, 2, 8])
+@pytest.mark.parametrize("selector_seed", [0, 3])
+def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, selector_seed):
+    """Host blocks (full, older than every query) mixed with device blocks; the ring holds 1, 2 or 8 blocks,
+    so a layer's selected host blocks take one or several pieces."""
+    cache = random_cache(10, seed=2)
+    pool = HostKVPool(cache, num_host_blocks=9, ring_blocks=ring_blocks)
+    pool.host.copy_(torch.randn(pool.host.shape, generator=torch.Generator().manual_seed(3)))
+    tables = [[4, 6, 3, 1, 7], [2, 8, 5, 0]]  # ids within their pool
+    on_host = [[True, True, False, True, False], [True, False, False, False]]
+    backend = get_attention_backend("torch")
+    selector = RandomHeadSelector(selector_seed)
+    kv = SplitKV(pool, cache, backend, [], tables, on_host, QUERY_LENS, SEQ_LENS, slots_of(tables), selector)
+    kv.begin()
+    assert pool.stats.h2d_bytes == 0  # nothing is prefetched: each layer copies what it selects
+    expected_blocks = 0
+    for layer in range(LAYERS):
+        q, k, v = new_tokens(20 + layer)
+        out = kv.attend(layer, q, k, v, 0.25)
+
+        def keys_of(i):
+            parts = [(pool.host if h else cache.data)[:, layer, b] for b, h in zip(tables[i], on_host[i])]
+            kv_tokens = torch.stack(parts, 1).flatten(1, 2)[:, : SEQ_LENS[i]]
+            return kv_tokens[0], kv_tokens[1]
+
+        masks = selector.masks[layer]
+        want = reference(q, keys_of, masks, QUERY_LENS, SEQ_LENS, 0.25)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        expected_blocks += sum(1 for i in range(2) for b, h in enumerate(on_host[i]) if h and masks[i][:, b].any())
+    assert pool.stats.h2d_bytes == expected_blocks * pool.block_bytes_per_layer
+    assert expected_blocks < LAYERS * 4  # fewer than all host blocks of both layers
+
+
+def test_sparse_selection_same_in_device_only_and_offload_engines(tiny_llama):
+    """Through the engine with the same chunk schedule: sink + recent blocks attended in device-only mode and
+    in offload mode (most KV on the host, copied per layer) give the same tokens and logprobs."""
+    schedule = dict(kvcache_block_size=BS, max_num_batched_tokens=16, max_num_seqs=2, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 97, 64)]
+    results = []
+    for options in (dict(num_gpu_blocks=256), dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01)):
+        llm = LLM(str(tiny_llama), **schedule, **options)
+        llm.runner.set_block_selector(SinkRecentSelector(sink_blocks=1, recent_blocks=2))
+        results.append(llm.generate(batch, params, use_tqdm=False))
+        if llm.runner.host_pool is not None:
+            assert llm.runner.host_pool.stats.h2d_bytes > 0
+    dense = LLM(str(tiny_llama), **schedule, num_gpu_blocks=256).generate(batch, params, use_tqdm=False)
+    sparse, offloaded = results
+    for a, b in zip(sparse, offloaded):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert any(a.outputs[0].logprobs != d.outputs[0].logprobs for a, d in zip(sparse, dense))  # it is sparse
+
+
+def test_selectors_registry_and_limits():
+    assert isinstance(get_block_selector("sink_recent", recent_blocks=3), SinkRecentSelector)
+    assert get_block_selector("dense").dense
+    with pytest.raises(ValueError, match="unknown block selector 'nope'"):
+        get_block_selector("nope")
+    with pytest.raises(ValueError, match="recent_blocks >= 1"):
+        SinkRecentSelector(recent_blocks=0)
+
+
+def test_key_bounds_follow_writes_and_moves_to_the_host(tiny_llama):
+    """The KV-write hook keeps per-block key min/max right for every block of every running sequence,
+    on the device and after blocks moved to the host (where the bounds move with them)."""
+    llm = LLM(str(tiny_llama), kvcache_block_size=BS, num_gpu_blocks=6, enable_cpu_offload=True, cpu_kv_cache_gb=0.01,
+              max_num_batched_tokens=40, device="cpu")
+    cache, pool = llm.runner.kv_cache, llm.runner.host_pool
+    bounds = BlockKeyBounds(LAYERS, cache.data.shape[2], pool.num_host_blocks, BS, cache.num_kv_heads,
+                            cache.data.shape[-1], cache.data.device)
+    cache.hooks.append(bounds)
+    g = torch.Generator().manual_seed(9)
+    for n in (70, 45):
+        llm.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), SamplingParams(max_tokens=20))
+    checked_host = checked_device = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        for seq in llm.scheduler.running:
+            for i, block in enumerate(seq.block_table):
+                filled = min(BS, seq.num_computed_tokens - i * BS)
+                if filled <= 0:
+                    continue
+                for layer in range(LAYERS):
+                    if is_host_block(block):
+                        keys, lo, hi = pool.host[0, layer, block - HOST_BASE], bounds.host_min, bounds.host_max
+                        b = block - HOST_BASE
+                        checked_host += 1
+                    else:
+                        keys, lo, hi, b = cache.data[0, layer, block], bounds.min, bounds.max, block
+                        checked_device += 1
+                    assert torch.equal(lo[layer, b], keys[:filled].amin(0)) and torch.equal(hi[layer, b], keys[:filled].amax(0))
+    assert checked_host > 0 and checked_device > 0
+
+
+def test_step_plans_are_plain_and_picklable(tiny_llama):
+    """Plans carry explicit block locations and survive pickling (what N workers would receive)."""
+    llm = LLM(str(tiny_llama), kvcache_block_size=BS, num_gpu_blocks=6, enable_cpu_offload=True, cpu_kv_cache_gb=0.01,
+              max_num_batched_tokens=64, device="cpu")
+    plans = []
+    plan = llm.runner.planner.plan
+    llm.runner.planner.plan = lambda *a, **k: plans.append(r := plan(*a, **k)) or r
+    llm.generate([list(range(1, 150)), list(range(3, 40))], SamplingParams(max_tokens=5), use_tqdm=False)
+    assert any(p.has_host_blocks for p in plans) and any(p.offloads for p in plans)
+    for p in plans:
+        copy = pickle.loads(pickle.dumps(p))
+        assert copy == p
+        assert all(b < HOST_BASE for t in p.block_tables for b in t)  # ids within their pool, never encoded
+        assert len(p.on_host) == len(p.block_tables) == len(p.query_lens)
