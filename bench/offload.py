@@ -84,12 +84,11 @@ def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int, trace: str |
     host_blocks = llm.block_manager.num_used_host_blocks
     result = {"prefill_tok_s": sum(map(len, prompts)) / prefill_s, "prefill_s": prefill_s,
               "host_blocks": host_blocks, **time_decode(llm, decode_steps)}
-    offloader = llm.runner.offloader
-    if offloader and host_blocks:  # the peer: the same steps eager, split attention over ring pieces
-        offloader.staged_decode = False
+    if llm.runner.host_pool and host_blocks:  # the peer: the same steps eager, split attention over ring pieces
+        llm.runner.staged_decode = False
         llm.step()  # untimed, as above
         result["ring_decode"] = time_decode(llm, decode_steps)
-        offloader.staged_decode = True
+        llm.runner.staged_decode = True
     if trace:
         profile_step(llm, trace)
     for request_id in ids:
@@ -100,7 +99,7 @@ def run_case(llm: LLM, prompts: list[list[int]], decode_steps: int, trace: str |
 
 def time_decode(llm: LLM, steps: int) -> dict:
     """ms per decode step, and the host KV it copies to the device per step."""
-    offloader = llm.runner.offloader
+    offloader = llm.runner.host_pool
     before = vars(offloader.stats).copy() if offloader else {}
     replays_before = llm.runner.graphs.num_replays if llm.runner.graphs else 0
     t0 = time.perf_counter()
@@ -139,7 +138,7 @@ def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
 
 def warm_up(llm: LLM, vocab: int) -> None:
     """Compile every kernel variant; with offload the prompts overflow the device pool, so its paths run too."""
-    tokens = (llm.block_manager.num_blocks + 16) * llm.config.kvcache_block_size if llm.runner.offloader else 8192
+    tokens = (llm.block_manager.num_blocks + 16) * llm.config.kvcache_block_size if llm.runner.host_pool else 8192
     llm.generate(random_prompts(vocab, 4, min(tokens // 4, 32768), 99), SamplingParams(max_tokens=3), use_tqdm=False)
 
 
@@ -242,12 +241,12 @@ def main() -> None:
             + (f"; eager {ring['decode_ms']:.1f} ms/step ({ring['decode_vs_floor']:.2f}x, "
                f"{ring['achieved_pcie_gbs']:.1f} GB/s)" if ring else ""))
     if reference_logprobs is not None:
-        offloaded_before = llm.runner.offloader.stats.d2h_bytes
+        offloaded_before = llm.runner.host_pool.stats.d2h_bytes
         got = prompt_logprobs(llm, random_prompts(vocab, 4, 32768, 7))
         diffs = torch.tensor([a - b for x, y in zip(got, reference_logprobs) for a, b in zip(x, y)]).abs()
         results["logprob_check_4x32768"] = {
             "max_abs_diff": diffs.max().item(), "mean_abs_diff": diffs.mean().item(), "positions": diffs.numel(),
-            "offloaded_gib": (llm.runner.offloader.stats.d2h_bytes - offloaded_before) / 2**30}
+            "offloaded_gib": (llm.runner.host_pool.stats.d2h_bytes - offloaded_before) / 2**30}
         log(f"prompt logprobs 4x32K offload vs GPU-only: max |diff| {diffs.max():.2e}, mean {diffs.mean():.2e}, "
             f"{results['logprob_check_4x32768']['offloaded_gib']:.1f} GiB offloaded meanwhile")
     llm = None

@@ -28,7 +28,7 @@ def run(model: str, batch: list[list[int]], dtype: str, max_tokens: int, **optio
     """Eager and small chunks in both modes: the same schedule, so the same arithmetic is expected."""
     llm = LLM(model, dtype=dtype, kvcache_block_size=256, enforce_eager=True, max_num_batched_tokens=1024, **options)
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2), use_tqdm=False)
-    stats = llm.runner.offloader.stats if llm.runner.offloader else None
+    stats = llm.runner.host_pool.stats if llm.runner.host_pool else None
     del llm
     gc.collect()
     torch.cuda.empty_cache()

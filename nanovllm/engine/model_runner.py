@@ -34,6 +34,9 @@ class ModelRunner:
     host_pool = property(lambda self: self.worker.host_pool)
     num_blocks = property(lambda self: self.worker.num_blocks)
     num_host_blocks = property(lambda self: self.worker.num_host_blocks)
+    kv_shape = property(lambda self: self.worker.kv_shape)
+    bytes_per_block = property(lambda self: self.worker.bytes_per_block)
+    default_generator = property(lambda self: self.worker.default_generator)
 
     @property
     def staged_decode(self) -> bool:
