@@ -99,7 +99,7 @@ class DecodeGraphs:
                     self.graphs[bs], self.logits[bs] = graph, logits
                 else:  # its host->device copies get new addresses before each replay
                     graph.instantiate()
-                    self.copies[bs] = GraphCopies(graph, offload.placeholders)
+                    self.copies[bs] = GraphCopies(graph, self.offload.placeholders)
                     self.staged_graphs[bs], self.staged_logits[bs] = graph, logits
         torch.cuda.synchronize(self.device)
 

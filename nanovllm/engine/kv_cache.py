@@ -26,10 +26,6 @@ class PagedKVCache:
         self.hooks: list[KVHook] = []
 
     @property
-    def block_size(self) -> int:
-        return self.data.shape[3]
-
-    @property
     def num_kv_heads(self) -> int:
         return self.data.shape[4]
 

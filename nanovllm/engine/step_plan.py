@@ -59,10 +59,6 @@ class StepPlan:
     staged_copies: list[tuple[int, int, int]] | None = None  # (host block, ring position, n) per layer: see offload/staged.py
 
     @property
-    def is_decode(self) -> bool:
-        return len(self.sample_rows) == len(self.query_lens) == len(self.input_ids)
-
-    @property
     def has_host_blocks(self) -> bool:
         return self.on_host is not None and any(any(t) for t in self.on_host)
 
