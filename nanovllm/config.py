@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+SPARSE_POLICIES = ("full", "xattention", "quest", "xattention+quest")
 _DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -33,6 +34,13 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # "torch" (reference, any device), "triton" (CUDA), "auto"
     load_format: str = "auto"  # "dummy": random weights of the config's shape (benchmarks)
+    sparse_policy: str = "full"  # block-sparse attention: "xattention" (prefill), "quest" (decode), both, or "full"
+    xattn_threshold: float = 0.9  # XAttention keeps, per KV head, the fewest blocks covering this estimated mass
+    xattn_stride: int = 16  # antidiagonal stride of XAttention's estimate
+    xattn_block_size: int = 128  # XAttention's query/key block in tokens
+    quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
+    quest_dense_layers: int = 2  # Quest: the first layers stay dense
+    sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     hf_config: dict = field(default_factory=dict, repr=False)  # filled from config.json
 
     @classmethod
@@ -66,6 +74,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        self._check_sparse_options()
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         model_limit = self.model_max_position
@@ -79,6 +88,27 @@ class EngineConfig:
                 )
         if self.max_model_len is None:
             raise ValueError("max_model_len is required: the model config has no max_position_embeddings")
+
+    def _check_sparse_options(self) -> None:
+        if self.sparse_policy not in SPARSE_POLICIES:
+            raise ValueError(f"sparse_policy must be one of {SPARSE_POLICIES}, got {self.sparse_policy!r}")
+        if not isinstance(self.xattn_threshold, (int, float)) or isinstance(self.xattn_threshold, bool) \
+                or not 0.0 < self.xattn_threshold <= 1.0:
+            raise ValueError(f"xattn_threshold must be in (0, 1], got {self.xattn_threshold!r}")
+        _positive_int("xattn_block_size", self.xattn_block_size)
+        _positive_int("xattn_stride", self.xattn_stride)
+        if self.xattn_block_size % 16:
+            raise ValueError(f"xattn_block_size must be a multiple of 16, got {self.xattn_block_size}")
+        if self.xattn_block_size % self.xattn_stride:
+            raise ValueError(f"xattn_stride={self.xattn_stride} must divide xattn_block_size={self.xattn_block_size}")
+        if self.kvcache_block_size % self.xattn_block_size and self.xattn_block_size % self.kvcache_block_size:
+            raise ValueError(f"xattn_block_size={self.xattn_block_size} and kvcache_block_size="
+                             f"{self.kvcache_block_size} must divide one another")
+        _positive_int("quest_token_budget", self.quest_token_budget)
+        for name in ("quest_dense_layers", "sparse_min_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
     @property
     def model_max_position(self) -> int | None:

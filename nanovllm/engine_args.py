@@ -12,6 +12,13 @@ import sys
 from nanovllm.config import EngineConfig
 
 _HELP = {
+    "sparse_policy": "block-sparse attention: full, xattention (prefill), quest (decode) or xattention+quest",
+    "xattn_threshold": "XAttention: per KV head, the fewest blocks covering this share of the estimated mass",
+    "xattn_stride": "XAttention: antidiagonal stride of the estimate",
+    "xattn_block_size": "XAttention: query/key block in tokens",
+    "quest_token_budget": "Quest: KV tokens each KV head reads per decode step, besides the sink and recent blocks",
+    "quest_dense_layers": "Quest: the first N layers stay dense",
+    "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",

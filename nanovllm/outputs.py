@@ -12,6 +12,9 @@ class RequestMetrics:
     finished_time: float | None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    prefill_density: float = 1.0  # share of causal (query block, KV block) pairs computed in prefill
+    decode_density: float = 1.0  # share of KV blocks read per decode step (layers and KV heads averaged)
+    host_kv_bytes_read: int = 0  # KV bytes copied host -> device for this request (CPU offload)
 
 
 @dataclass

@@ -229,7 +229,8 @@ class LLMEngine:
         if seq.is_finished and req.stop_text_end is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         metrics = RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
-                                 seq.finish_time, seq.num_cached_tokens, seq.num_preemptions)
+                                 seq.finish_time, seq.num_cached_tokens, seq.num_preemptions,
+                                 seq.density(seq.prefill_blocks), seq.density(seq.decode_blocks), seq.host_kv_bytes_read)
         token_ids = seq.output_token_ids
         if token_ids and token_ids[-1] == PLACEHOLDER:  # the next token, launched but not yet here (async)
             token_ids.pop()

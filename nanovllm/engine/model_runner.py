@@ -15,7 +15,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlanner
-from nanovllm.engine.worker import Worker
+from nanovllm.engine.worker import SeqStepStats, Worker
 from nanovllm.layers.block_selector import BlockSelector
 
 
@@ -23,6 +23,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path | None):
         self.worker = Worker(config, model_dir)
         self.planner = StepPlanner(self.worker.limits)
+        self.planner.fixed_kv_plans = self.worker.selector.dense
 
     # What benchmarks and tests look at, on the worker.
     device = property(lambda self: self.worker.device)
@@ -67,14 +68,26 @@ class ModelRunner:
         for item in scheduled:
             if item.seq.seq_id in out.prompt_logprobs:
                 item.seq.prompt_logprobs.extend(out.prompt_logprobs[item.seq.seq_id])
+        _record_work(scheduled, out.stats)
         return out.sampled
 
     def launch(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]] = ()) -> PendingTokens:
         """Like run() without logprobs, but nothing waits for the device: the sampled tokens stay there
         (also as the next step's inputs where a sequence's last token is a PLACEHOLDER) and are copied
         to the host in the background."""
-        tokens = self.worker.launch(self.planner.plan(scheduled, offloads, launched=True))
+        tokens, stats = self.worker.launch(self.planner.plan(scheduled, offloads, launched=True))
+        _record_work(scheduled, stats)
         return PendingTokens([item.seq for item in scheduled if item.samples] if tokens is not None else [], tokens)
+
+
+def _record_work(scheduled: list[ScheduledSeq], stats: dict[int, SeqStepStats]) -> None:
+    """Add a step's attention work (densities, host KV bytes) to its sequences' running totals."""
+    if not stats:
+        return
+    for item in scheduled:
+        work = stats.get(item.seq.seq_id)
+        if work is not None:
+            item.seq.add_attention_work(work.prefill, work.decode, work.host_kv_bytes)
 
 
 class PendingTokens:

@@ -36,9 +36,24 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = [None]  # the first token has no context
         self.num_preemptions = 0
+        # Attention work, summed over steps, layers and KV heads: block pairs (attended, visible) in prefill
+        # rows and KV blocks (read, present) in decode rows; host KV bytes copied to the device for it.
+        self.prefill_blocks = [0, 0]
+        self.decode_blocks = [0, 0]
+        self.host_kv_bytes_read = 0
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    def add_attention_work(self, prefill: tuple[int, int], decode: tuple[int, int], host_kv_bytes: int) -> None:
+        for total, part in ((self.prefill_blocks, prefill), (self.decode_blocks, decode)):
+            total[0] += part[0]
+            total[1] += part[1]
+        self.host_kv_bytes_read += host_kv_bytes
+
+    def density(self, blocks: list[int]) -> float:
+        """Share of the visible blocks attended (1.0 when nothing was counted: dense)."""
+        return blocks[0] / blocks[1] if blocks[1] else 1.0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -53,6 +53,7 @@ class StepPlan:
     sample_rows: list[int]  # the rows whose logits are sampled, one per sampling sequence ...
     sample_seq_ids: list[int]  # ... their sequences ...
     sample_params: list[SamplingParams]  # ... and sampling parameters
+    seq_ids: list[int] = field(default_factory=list)  # the step's sequences, in batch order
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # finished sequences: the worker drops their state
     graph_batch: int | None = None  # the decode graph bucket that runs the step; None: eager
@@ -81,6 +82,7 @@ class StepPlanner:
             plan = self._decode_plan(seqs, offloads)
         else:
             plan = self._mixed_plan(scheduled, offloads)
+        plan.seq_ids = [s.seq_id for s in seqs]
         plan.sample_seq_ids = [item.seq.seq_id for item in sampling]
         plan.sample_params = [item.seq.params for item in sampling]
         plan.released, self._released = self._released, []
@@ -126,7 +128,7 @@ class StepPlanner:
             if item.samples:
                 rows.append(len(ids) - 1)
         plan = StepPlan(ids, positions, slots, query_lens, seq_lens, [], None, list(offloads), rows, [], [],
-                        prompt_rows)
+                        prompt_logprobs=prompt_rows)
         self._locate_blocks(plan, tables)
         return plan
 

@@ -7,7 +7,7 @@ samples. It never schedules: everything it needs arrives in the plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,17 +22,29 @@ from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_block
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
 from nanovllm.engine.step_plan import StepPlan, WorkerLimits
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
-from nanovllm.layers.block_selector import BlockSelector, DenseSelector
+from nanovllm.layers.block_selector import BlockSelector, SparseStats
 from nanovllm.layers.fused_ops import get_layer_ops
 from nanovllm.layers.kv_access import DeviceKV, KVAccess
 from nanovllm.layers.sampler import logprob_entries, sample, sample_on_device
+from nanovllm.layers.sparse_policies import build_sparse_policy
 from nanovllm.models.loader import build_model
+
+
+@dataclass
+class SeqStepStats:
+    """One sequence's attention work in a step (layers and KV heads summed): (attended, visible) block
+    pairs of prefill rows and (read, present) KV blocks of decode rows, and host KV bytes copied for it."""
+
+    prefill: tuple[int, int] = (0, 0)
+    decode: tuple[int, int] = (0, 0)
+    host_kv_bytes: int = 0
 
 
 @dataclass
 class StepOutput:
     sampled: dict[int, tuple[int, dict[int, float] | None]]  # seq_id -> (token, logprobs)
     prompt_logprobs: dict[int, list[dict[int, float]]]  # seq_id -> entries for this step's prompt rows
+    stats: dict[int, SeqStepStats] = field(default_factory=dict)  # seq_id -> work, where there is any to report
 
 
 class Worker:
@@ -54,7 +66,7 @@ class Worker:
         # Decode steps with host KV staged in CUDA graphs need the runtime's graph-update calls.
         can_stage = self.host_pool is not None and (not self.host_pool.cuda or graph_copies.available())
         self.staged = StagedCopies(self.host_pool) if can_stage else None
-        self.selector: BlockSelector = DenseSelector()
+        self.selector: BlockSelector = build_sparse_policy(config, self.kv_cache, self.num_host_blocks)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -106,6 +118,8 @@ class Worker:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return None
+        if not self.selector.dense:  # selections are made per step on the host: no fixed graphs
+            return None
         buckets = batch_buckets(min(self.config.max_num_seqs, 512))
         return DecodeGraphs(self.model, self._graph_kv, buckets, self.config.num_blocks_per_seq_limit,
                             self.block_size, self.num_blocks, self.device, self.last_tokens, self.staged)
@@ -118,31 +132,32 @@ class Worker:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
-        logits, prompt_logprobs = self._logits(plan)
+        logits, prompt_logprobs, stats = self._logits(plan)
         if logits is None:
-            return StepOutput({}, prompt_logprobs)
+            return StepOutput({}, prompt_logprobs, stats)
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
         out = sample(logits, plan.sample_params, generators, self.default_generator)
         return StepOutput({i: (t, lp) for i, t, lp in zip(plan.sample_seq_ids, out.token_ids, out.logprobs)},
-                          prompt_logprobs)
+                          prompt_logprobs, stats)
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> torch.Tensor | None:
+    def launch(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, SeqStepStats]]:
         """Like execute() without logprobs, but nothing waits for the device: returns the sampled tokens
         on the device, also kept in last_tokens as the next step's inputs for placeholder ids."""
-        logits, _ = self._logits(plan)
+        logits, _, stats = self._logits(plan)
         if logits is None:
-            return None
+            return None, stats
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
         tokens = sample_on_device(logits, plan.sample_params, generators, self.default_generator)
         self.last_tokens[: len(tokens)].copy_(tokens)
-        return tokens
+        return tokens, stats
 
     def set_block_selector(self, selector: BlockSelector) -> None:
         self.selector = selector
 
-    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list]]:
-        """The forward pass: logits of the sampling rows (None when no sequence samples this step)."""
+    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list], dict[int, SeqStepStats]]:
+        """The forward pass: logits of the sampling rows (None when no sequence samples this step), the
+        prompt logprobs and the step's attention work per sequence."""
         for seq_id in plan.released:
             self.generators.pop(seq_id, None)
         if plan.offloads:
@@ -152,17 +167,33 @@ class Worker:
             if plan.staged_copies is not None:
                 self.staged.set_step(plan.staged_copies, plan.offloads)
                 tables, staged = ring_tables(plan.block_tables, plan.on_host), bool(plan.staged_copies)
-            return self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, staged), {}
+            logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, staged)
+            return logits, {}, self._dense_stats(plan)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
-        kv = self._kv_access(plan)
+        sparse = None if self.selector.dense else SparseStats(len(plan.seq_lens))
+        kv = self._kv_access(plan, sparse)
         ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
         hidden = self.model(ids, as_tensor(plan.positions), kv)
         prompt_logprobs = self._prompt_logprobs(hidden, plan)
+        stats = self._dense_stats(plan) if sparse is None else self._sparse_stats(plan, sparse)
         if not plan.sample_rows:
-            return None, prompt_logprobs
-        return self.model.compute_logits(hidden[as_tensor(plan.sample_rows)]), prompt_logprobs
+            return None, prompt_logprobs, stats
+        return self.model.compute_logits(hidden[as_tensor(plan.sample_rows)]), prompt_logprobs, stats
 
-    def _kv_access(self, plan: StepPlan) -> KVAccess:
+    def _dense_stats(self, plan: StepPlan) -> dict[int, SeqStepStats]:
+        """Every layer reads every host block of the step once."""
+        if not plan.has_host_blocks:
+            return {}
+        per_block = self.host_pool.block_bytes_per_layer * self.kv_shape[0]
+        return {seq_id: SeqStepStats(host_kv_bytes=sum(flags) * per_block)
+                for seq_id, flags in zip(plan.seq_ids, plan.on_host) if any(flags)}
+
+    @staticmethod
+    def _sparse_stats(plan: StepPlan, sparse: SparseStats) -> dict[int, SeqStepStats]:
+        return {seq_id: SeqStepStats(tuple(p), tuple(d), b)
+                for seq_id, p, d, b in zip(plan.seq_ids, sparse.prefill, sparse.decode, sparse.host_bytes)}
+
+    def _kv_access(self, plan: StepPlan, stats: SparseStats | None) -> KVAccess:
         def meta(tables: list[list[int]]) -> AttentionMetadata:
             return self.backend.build_metadata(plan.query_lens, plan.seq_lens, tables, plan.slots, self.block_size,
                                                self.device)
@@ -170,12 +201,12 @@ class Worker:
         if self.host_pool is None or not (plan.has_host_blocks or plan.offloads or plan.staged_copies):
             if plan.staged_copies is not None:  # [] : nothing to stage, but the moves are due
                 self.staged.set_step([], plan.offloads)
-            return DeviceKV(self.kv_cache, self.backend, meta(plan.block_tables), self.selector)
+            return DeviceKV(self.kv_cache, self.backend, meta(plan.block_tables), self.selector, stats)
         if plan.staged_copies is not None:
             self.staged.set_step(plan.staged_copies, plan.offloads)
             return StagedKV(self.kv_cache, self.backend, meta(ring_tables(plan.block_tables, plan.on_host)), self.staged)
         slots = torch.tensor(plan.slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        kv = offload_kv_access(self.host_pool, self.kv_cache, self.backend, plan, slots, self.selector)
+        kv = offload_kv_access(self.host_pool, self.kv_cache, self.backend, plan, slots, self.selector, stats)
         kv.begin()
         return kv
 

@@ -1,9 +1,11 @@
 """Per-block metadata that sparse policies keep through the KV-write hook (engine/kv_cache.py).
 
-`BlockKeyBounds` keeps, per layer, block and KV head, the elementwise min and max of the keys written
-into the block so far (post-RoPE): what Quest's upper bound on a block's attention scores needs. It
-lives on the cache's device for every block, device- and host-resident alike: a write updates the
-device block's bounds, a move to the host copies them to the host block's row.
+`BlockKeyBounds` keeps, per layer, page (`page_size` consecutive tokens of a block) and KV head, the
+elementwise min and max of the keys written into the page so far (post-RoPE): what Quest's upper bound
+on a page's attention scores needs. It lives on the cache's device for every block, device- and
+host-resident alike: a write updates the device block's pages, a move to the host copies them to the
+host block's rows. Stored in the cache's dtype (min and max of stored keys are exact in it): 1/page_size
+of the key bytes for each of min and max.
 """
 from __future__ import annotations
 
@@ -12,32 +14,50 @@ import torch
 
 class BlockKeyBounds:
     def __init__(self, num_layers: int, num_blocks: int, num_host_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device):
-        shape = (num_layers, num_blocks, num_kv_heads, head_dim)
-        self.block_size = block_size
-        self.min = torch.full(shape, float("inf"), dtype=torch.float32, device=device)
-        self.max = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
-        host_shape = (num_layers, num_host_blocks, num_kv_heads, head_dim)
-        self.host_min = torch.full(host_shape, float("inf"), dtype=torch.float32, device=device)
-        self.host_max = torch.full(host_shape, float("-inf"), dtype=torch.float32, device=device)
-        # Scratch flags: blocks a write restarts; the extra last row absorbs the slots that restart nothing.
-        self._fresh = torch.zeros(num_blocks + 1, dtype=torch.bool, device=device)
+                 head_dim: int, device: torch.device, page_size: int | None = None, dtype: torch.dtype = torch.float32):
+        self.page_size = page_size or block_size
+        if block_size % self.page_size:
+            raise ValueError(f"page_size={self.page_size} must divide block_size={block_size}")
+        self.pages_per_block = block_size // self.page_size
+        shape = (num_layers, num_blocks * self.pages_per_block, num_kv_heads, head_dim)
+        self.min = torch.full(shape, float("inf"), dtype=dtype, device=device)
+        self.max = torch.full(shape, float("-inf"), dtype=dtype, device=device)
+        host_shape = (num_layers, num_host_blocks * self.pages_per_block, num_kv_heads, head_dim)
+        self.host_min = torch.full(host_shape, float("inf"), dtype=dtype, device=device)
+        self.host_max = torch.full(host_shape, float("-inf"), dtype=dtype, device=device)
+        # Scratch flags: pages a write restarts; the extra last row absorbs the slots that restart nothing.
+        self._fresh = torch.zeros(shape[1] + 1, dtype=torch.bool, device=device)
 
     def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """A write at offset 0 starts the block afresh (it was free and may hold another sequence's bounds).
-        No host sync: safe inside CUDA graphs."""
-        blocks = slots // self.block_size
-        starts = torch.where(slots % self.block_size == 0, blocks, self._fresh.shape[0] - 1)
+        """A write at a page's first slot starts the page afresh (its block was free and may hold another
+        sequence's bounds). No host sync: safe inside CUDA graphs."""
+        pages = slots // self.page_size
+        starts = torch.where(slots % self.page_size == 0, pages, self._fresh.shape[0] - 1)
         self._fresh.index_fill_(0, starts, True)
-        fresh = self._fresh.index_select(0, blocks)[:, None, None]
-        keys = k.float()
+        fresh = self._fresh.index_select(0, pages)[:, None, None]
+        keys = k.to(self.min.dtype)
         for bound, reduce, empty in ((self.min[layer], "amin", float("inf")), (self.max[layer], "amax", float("-inf"))):
-            bound.index_copy_(0, blocks, torch.where(fresh, empty, bound.index_select(0, blocks)))
-            bound.index_reduce_(0, blocks, keys, reduce)
+            bound.index_copy_(0, pages, torch.where(fresh, empty, bound.index_select(0, pages)))
+            bound.index_reduce_(0, pages, keys, reduce)
         self._fresh.index_fill_(0, starts, False)
 
     def on_move(self, moves: list[tuple[int, int]]) -> None:
-        device_ids = torch.tensor([d for d, _ in moves], dtype=torch.int64).to(self.min.device, non_blocking=True)
-        host_ids = torch.tensor([h for _, h in moves], dtype=torch.int64).to(self.min.device, non_blocking=True)
-        self.host_min.index_copy_(1, host_ids, self.min.index_select(1, device_ids))
-        self.host_max.index_copy_(1, host_ids, self.max.index_select(1, device_ids))
+        device_pages = self._pages([d for d, _ in moves])
+        host_pages = self._pages([h for _, h in moves])
+        self.host_min.index_copy_(1, host_pages, self.min.index_select(1, device_pages))
+        self.host_max.index_copy_(1, host_pages, self.max.index_select(1, device_pages))
+
+    def _pages(self, blocks: list[int]) -> torch.Tensor:
+        ids = torch.tensor(blocks, dtype=torch.int64)[:, None] * self.pages_per_block + torch.arange(self.pages_per_block)
+        return ids.flatten().to(self.min.device, non_blocking=True)
+
+    def block_pages(self, layer: int, blocks: list[int], on_host: list[bool] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min, max) [len(blocks) * pages_per_block, Hk, D] of these blocks' pages, in order, from either pool."""
+        pages = self._pages(blocks)
+        if not on_host or not any(on_host):
+            return self.min[layer].index_select(0, pages), self.max[layer].index_select(0, pages)
+        host = torch.tensor(on_host).repeat_interleave(self.pages_per_block).to(pages.device)[:, None, None]
+        device_rows, host_rows = torch.where(host[:, 0, 0], 0, pages), torch.where(host[:, 0, 0], pages, 0)
+        lo = torch.where(host, self.host_min[layer].index_select(0, host_rows), self.min[layer].index_select(0, device_rows))
+        hi = torch.where(host, self.host_max[layer].index_select(0, host_rows), self.max[layer].index_select(0, device_rows))
+        return lo, hi

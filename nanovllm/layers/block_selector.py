@@ -18,11 +18,14 @@ import torch
 @dataclass(frozen=True)
 class SelectionInput:
     """What a selector may look at besides the queries: per sequence, its new tokens (query rows
-    cu_query_lens[i]:cu_query_lens[i+1] of q), its KV length after the step and its block count."""
+    cu_query_lens[i]:cu_query_lens[i+1] of q), its KV length after the step, and its blocks in position
+    order (ids within their pool; on_host says which pool, None: all on the device)."""
 
     query_lens: list[int]
     seq_lens: list[int]
     block_size: int
+    block_tables: list[list[int]]
+    on_host: list[list[bool]] | None = None
 
     def num_blocks(self, i: int) -> int:
         return -(-self.seq_lens[i] // self.block_size)
@@ -30,6 +33,10 @@ class SelectionInput:
     def first_query_block(self, i: int) -> int:
         """The first block holding one of sequence i's new tokens (blocks before it precede every query)."""
         return (self.seq_lens[i] - self.query_lens[i]) // self.block_size
+
+    def query_rows(self, i: int) -> slice:
+        start = sum(self.query_lens[:i])
+        return slice(start, start + self.query_lens[i])
 
 
 Selection = list[torch.Tensor]  # per sequence: bool [num_kv_heads, num_blocks], True = attend
@@ -54,6 +61,30 @@ def with_query_blocks(selection: Selection, batch: SelectionInput) -> Selection:
         mask[:, batch.first_query_block(i):] = True
         masks.append(mask)
     return masks
+
+
+class SparseStats:
+    """Per sequence of one step, summed over layers and KV heads: (query block, KV block) pairs attended
+    and causally visible in prefill rows, KV blocks read and present in decode rows, and host KV bytes
+    copied to the device for it."""
+
+    def __init__(self, num_seqs: int):
+        self.prefill = [[0, 0] for _ in range(num_seqs)]
+        self.decode = [[0, 0] for _ in range(num_seqs)]
+        self.host_bytes = [0] * num_seqs
+
+    def add(self, batch: SelectionInput, selection: Selection | None, num_kv_heads: int) -> None:
+        for i in range(len(batch.seq_lens)):
+            n, first = batch.num_blocks(i), batch.first_query_block(i)
+            if batch.query_lens[i] == 1:
+                kept = n * num_kv_heads if selection is None else int(selection[i].sum())
+                self.decode[i][0] += kept
+                self.decode[i][1] += n * num_kv_heads
+                continue
+            visible = sum(range(first + 1, n + 1)) * num_kv_heads  # query block b sees KV blocks 0..b
+            kept = visible if selection is None else sum(int(selection[i][:, : b + 1].sum()) for b in range(first, n))
+            self.prefill[i][0] += kept
+            self.prefill[i][1] += visible
 
 
 _SELECTORS: dict[str, type[BlockSelector]] = {}

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
-from nanovllm.layers.block_selector import BlockSelector, DenseSelector, Selection, SelectionInput, with_query_blocks
+from nanovllm.layers.block_selector import (BlockSelector, DenseSelector, Selection, SelectionInput, SparseStats,
+                                            with_query_blocks)
 
 if TYPE_CHECKING:
     from nanovllm.engine.kv_cache import PagedKVCache
@@ -33,17 +34,17 @@ class DeviceKV(KVAccess):
     """Every block in the device pool: the backend's paged attention over the step's block tables."""
 
     def __init__(self, cache: PagedKVCache, backend: AttentionBackend, meta: AttentionMetadata,
-                 selector: BlockSelector | None = None):
+                 selector: BlockSelector | None = None, stats: SparseStats | None = None):
         self.cache, self.backend, self.meta = cache, backend, meta
-        self.selector = selector or DenseSelector()
+        self.selector, self.stats = selector or DenseSelector(), stats
 
     def attend(self, layer, q, k, v, scale):
         self.cache.write(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.cache.layer(layer)
         if self.selector.dense:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
-        batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size)
-        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch)
+        batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size, self.meta.block_tables)
+        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch, self.stats)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         out = torch.empty_like(q)
@@ -55,12 +56,16 @@ class DeviceKV(KVAccess):
 
 
 def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int,
-                  batch: SelectionInput) -> Selection | None:
-    """The selector's masks with the query blocks forced on; None for every block (dense)."""
+                  batch: SelectionInput, stats: SparseStats | None = None) -> Selection | None:
+    """The selector's masks with the query blocks forced on; None for every block (dense). stats: where
+    the attended share is counted."""
     if selector.dense:
         return None
     selection = selector.select(layer, q, num_kv_heads, batch)
-    return None if selection is None else with_query_blocks(selection, batch)
+    selection = None if selection is None else with_query_blocks(selection, batch)
+    if stats is not None:
+        stats.add(batch, selection, num_kv_heads)
+    return selection
 
 
 def head_rows(q: torch.Tensor, num_kv_heads: int, head: int) -> slice:

@@ -17,18 +17,18 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import HostKVPool
 from nanovllm.engine.offload.split import SinglePassKV, SplitKV
 from nanovllm.layers.attention import AttentionBackend
-from nanovllm.layers.block_selector import BlockSelector
+from nanovllm.layers.block_selector import BlockSelector, SparseStats
 
 if TYPE_CHECKING:
     from nanovllm.engine.step_plan import StepPlan
 
 
 def offload_kv_access(pool: HostKVPool, cache: PagedKVCache, backend: AttentionBackend, plan: StepPlan,
-                      slots, selector: BlockSelector) -> SinglePassKV | SplitKV:
+                      slots, selector: BlockSelector, stats: SparseStats | None = None) -> SinglePassKV | SplitKV:
     """A step with host blocks or device->host moves, outside the graphs. slots: the new tokens'
     device slots as a tensor. The caller calls begin() before the forward pass."""
     tables, flags = plan.block_tables, plan.on_host
     if selector.dense and sum(map(len, tables)) <= pool.ring_blocks:
         return SinglePassKV(pool, cache, backend, plan.offloads, tables, flags, plan.query_lens, plan.seq_lens, slots)
     return SplitKV(pool, cache, backend, plan.offloads, tables, flags, plan.query_lens, plan.seq_lens, plan.slots,
-                   selector)
+                   selector, stats)

@@ -28,7 +28,7 @@ import torch
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, consecutive_runs
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
-from nanovllm.layers.block_selector import BlockSelector, SelectionInput
+from nanovllm.layers.block_selector import BlockSelector, SelectionInput, SparseStats
 from nanovllm.layers.kv_access import KVAccess, head_rows, select_blocks
 
 
@@ -175,11 +175,12 @@ class SplitKV(_OffloadKV):
     """Device blocks, then host pieces through the ring, merged by LSE (module docstring)."""
 
     def __init__(self, pool, cache, backend, offloads, block_tables: list[list[int]], on_host: list[list[bool]],
-                 query_lens: list[int], seq_lens: list[int], slots: list[int], selector: BlockSelector):
+                 query_lens: list[int], seq_lens: list[int], slots: list[int], selector: BlockSelector,
+                 stats: SparseStats | None = None):
         super().__init__(pool, cache, backend, offloads)
         bs = pool.block_size
-        self.block_tables, self.on_host, self.selector = block_tables, on_host, selector
-        self.batch = SelectionInput(query_lens, seq_lens, bs)
+        self.block_tables, self.on_host, self.selector, self.stats = block_tables, on_host, selector, stats
+        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host)
         device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
         compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
         self.meta = backend.build_metadata(query_lens, compact_lens, device_tables, slots, bs, pool.device)
@@ -209,7 +210,7 @@ class SplitKV(_OffloadKV):
     def attend(self, layer, q, k, v, scale):
         self._store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.cache.layer(layer)
-        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], self.batch)
+        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], self.batch, self.stats)
         if selection is not None:
             return self._attend_selected(layer, q, k_cache, v_cache, selection, scale)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -234,6 +235,9 @@ class SplitKV(_OffloadKV):
         wanted = [[b for b, h, *keep in zip(t, f, *m) if h and any(keep)]
                   for t, f, m in zip(self.block_tables, self.on_host, masks)]
         pieces = pack(wanted, self.pool.ring_blocks)
+        if self.stats is not None:
+            for i, blocks in enumerate(wanted):
+                self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for head in range(num_kv_heads):

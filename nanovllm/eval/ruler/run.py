@@ -15,10 +15,14 @@ from nanovllm.eval.ruler.scoring import passed, sample_score, summarize
 from nanovllm.eval.ruler.tasks import DEFAULT_SEED, TASK_NAMES, TASKS, generate_samples, resolve_tasks
 from nanovllm.eval.ruler.templates import TEMPLATE_KINDS, Prompter
 
+GENERATORS = ("official", "ours")
+DEFAULT_GENERATOR = "official"  # docs/RULER_PARITY.md: why not ours
+
 
 def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str | Path = "ruler_results",
               template: str = "chat", use_tqdm: bool = True, seed: int = DEFAULT_SEED,
-              samples_file: str | Path | None = None, hf_check: bool = False) -> dict:
+              samples_file: str | Path | None = None, hf_check: bool = False,
+              generator: str = DEFAULT_GENERATOR) -> dict:
     """Generate RULER samples, run them all through ``llm.generate`` as one batch, score and report.
 
     Greedy decoding, per-task max_tokens, prompts passed as token ids (tokenized without special
@@ -27,6 +31,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     the table. Returns {"summary", "records", "timings", "files"}.
     samples_file: read pre-generated samples (see save_samples) instead of generating them.
     hf_check: also run the prompts through HF transformers and score those predictions the same way.
+    generator: "official" (NVIDIA's scripts, see official.py) or "ours" (tasks.py).
     """
     from nanovllm.sampling_params import SamplingParams
 
@@ -44,8 +49,8 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     if samples_file:
         samples = first_samples(load_samples(samples_file), names, lengths, num_samples)
     else:
-        data.ensure_ruler_data()
-        samples = generate_samples(llm.tokenizer, lengths, names, num_samples, template, seed)
+        samples = make_samples(generator, llm.tokenizer, str(llm.config.model), lengths, names, num_samples,
+                               template, seed)
     prompter = Prompter(llm.tokenizer, template)
     token_ids = [prompter.encode(s["prompt"]) for s in samples]
     for s, ids in zip(samples, token_ids):
@@ -80,6 +85,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     model = str(getattr(llm.config, "model", ""))
     config = {"model": model, "lengths": lengths, "tasks": names, "num_samples": num_samples,
               "template": template, "seed": seed, "max_model_len": limit,
+              "generator": generator if not samples_file else (samples[0].get("generator") if samples else None),
               "data_packages": [p.requirement for p in data.PACKAGES.values()]}
     files = {"json": out_dir / "ruler.json", "markdown": out_dir / "ruler.md"}
     files["json"].write_text(json.dumps({"config": config, "summary": summary, "timings": timings, "hf_check": hf,
@@ -95,6 +101,19 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     print(f"\nRULER on {model} ({template} template)\n\n{table}\n\n{speed}\nresults: {out_dir}")
     return {"summary": summary, "records": records, "timings": timings, "hf_check": hf,
             "files": {k: str(v) for k, v in files.items()}}
+
+
+def make_samples(generator: str, tokenizer, model_path: str, lengths, tasks, num_samples: int, template: str,
+                 seed: int) -> list[dict]:
+    """Samples from NVIDIA's scripts ("official") or from our generator ("ours"), in the same format."""
+    if generator == "official":
+        from nanovllm.eval.ruler.official import generate_official_samples
+
+        return generate_official_samples(tokenizer, model_path, lengths, tasks, num_samples, template, seed)
+    if generator != "ours":
+        raise ValueError(f"generator must be one of {GENERATORS}, got {generator!r}")
+    data.ensure_ruler_data()
+    return generate_samples(tokenizer, lengths, tasks, num_samples, template, seed)
 
 
 def save_samples(samples: list[dict], path: str | Path) -> None:
@@ -162,6 +181,9 @@ def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", choices=TEMPLATE_KINDS, default="chat",
                         help="chat: the model's chat template + answer prefix; base: bare task text + answer prefix")
     parser.add_argument("--data-seed", type=int, default=DEFAULT_SEED, help="seed of the sample generator (42)")
+    parser.add_argument("--generator", choices=GENERATORS, default=DEFAULT_GENERATOR,
+                        help="official: NVIDIA's own RULER scripts from nvidia-long-context-eval (cached); "
+                             "ours: our faster re-implementation (see docs/RULER_PARITY.md)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--save-samples", default=None, metavar="FILE",
                         help="generate the samples, write them to FILE (gzip JSON) and stop; no model is run")
@@ -185,9 +207,10 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
 
         from nanovllm.models.fetch import default_model_path
 
-        data.ensure_ruler_data()
-        tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_path())
-        samples = generate_samples(tokenizer, args.lengths, tasks, args.samples, args.template, args.data_seed)
+        model_path = str(args.model or default_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        samples = make_samples(args.generator, tokenizer, model_path, args.lengths, tasks, args.samples,
+                               args.template, args.data_seed)
         save_samples(samples, args.save_samples)
         _log(f"{len(samples)} samples written to {args.save_samples}")
         return {"samples": len(samples)}
@@ -196,7 +219,7 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, **options)
     return run_ruler(llm, args.lengths, tasks, args.samples, args.output, args.template,
                      use_tqdm=not args.no_progress, seed=args.data_seed, samples_file=args.samples_file,
-                     hf_check=args.hf_check)
+                     hf_check=args.hf_check, generator=args.generator)
 
 
 def add_ruler_parser(subparsers) -> argparse.ArgumentParser:
