@@ -184,8 +184,9 @@ class SplitKV(_OffloadKV):
         device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
         compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
         self.meta = backend.build_metadata(query_lens, compact_lens, device_tables, slots, bs, pool.device)
-        host_tables = [[b for b, h in zip(t, f) if h] for t, f in zip(block_tables, on_host)]
-        self.pieces = [] if not selector.dense else self._pieces(host_tables)
+        self.host_tables = [[b for b, h in zip(t, f) if h] for t, f in zip(block_tables, on_host)]
+        # A dense selector reads the same pieces in every layer: planned once, prefetched on the copy stream.
+        self.pieces = self._pieces(self.host_tables) if selector.dense else []
 
     def _pieces(self, host_tables: list[list[int]]) -> list[HistoryPiece]:
         bs, q_lens = self.pool.block_size, self.batch.query_lens
@@ -216,6 +217,8 @@ class SplitKV(_OffloadKV):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         self.backend.forward_with_lse(q, k_cache, v_cache, self.meta, scale, out=(out, lse))
+        if not self.selector.dense:  # this layer reads every host block, copied now (nothing was prefetched)
+            return self._attend_all_now(layer, q, scale, out, lse)
         for p, piece in enumerate(self.pieces):
             unit = layer * len(self.pieces) + p
             slot = unit % RING_SLOTS
@@ -226,6 +229,18 @@ class SplitKV(_OffloadKV):
             self._free_slot(slot)
             if unit + RING_SLOTS < self.num_units:
                 self._fill_unit(unit + RING_SLOTS)
+        return out.to(q.dtype)
+
+    def _attend_all_now(self, layer: int, q, scale, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Every host block of this layer, piece by piece through ring slot 0, merged into (out, lse)."""
+        if self.stats is not None:
+            for i, blocks in enumerate(self.host_tables):
+                self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer
+        for piece in self._pieces(self.host_tables):
+            self._fill(layer, 0, piece.runs, -1)
+            self._wait_copied(-1)
+            self.backend.history_attention(q, self.pool.ring[0, 0], self.pool.ring[1, 0], piece.meta, scale, (out, lse))
+            self._free_slot(0)
         return out.to(q.dtype)
 
     def _attend_selected(self, layer: int, q, k_cache, v_cache, selection, scale) -> torch.Tensor:

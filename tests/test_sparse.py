@@ -1,0 +1,135 @@
+"""Block-sparse attention policies on the CPU: option checks, Quest's selection against a brute-force
+reference, full budgets equal to dense attention, and the densities / host KV bytes each request reports."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.layers.block_metadata import BlockKeyBounds
+from nanovllm.layers.block_selector import SelectionInput
+from nanovllm.layers.sparse_policies import QuestSelector
+
+BS = 16
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("sparse_policy", "bogus", "sparse_policy must be one of"),
+    ("xattn_threshold", 0.0, r"xattn_threshold must be in \(0, 1\]"),
+    ("xattn_threshold", 1.5, r"xattn_threshold must be in \(0, 1\]"),
+    ("xattn_stride", 0, "xattn_stride must be a positive integer"),
+    ("xattn_stride", 48, "xattn_stride=48 must divide xattn_block_size=128"),
+    ("xattn_block_size", 24, "xattn_block_size must be a multiple of 16"),
+    ("xattn_block_size", 96, "must divide one another"),
+    ("quest_token_budget", 0, "quest_token_budget must be a positive integer"),
+    ("quest_dense_layers", -1, "quest_dense_layers must be an integer >= 0"),
+    ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
+])
+def test_bad_sparse_options_name_the_limit(tiny_llama, option, value, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama), device="cpu", num_gpu_blocks=8, **{option: value})
+
+
+def brute_force_quest(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_blocks: int, bs: int) -> torch.Tensor:
+    """keys [seq_len, Hk, D] of one sequence, q [Hq, D]: the blocks each KV head keeps, from the bounds
+    computed straight from the keys (16-token pages), by the definition."""
+    num_kv_heads, group = keys.shape[1], q.shape[0] // keys.shape[1]
+    n = -(-seq_len // bs)
+    scores = torch.full((num_kv_heads, n), float("-inf"))
+    for b in range(n):
+        for start in range(b * bs, min((b + 1) * bs, seq_len), 16):
+            page = keys[start : min(start + 16, seq_len)].float()
+            lo, hi = page.amin(0), page.amax(0)  # [Hk, D]
+            for h in range(q.shape[0]):
+                bound = torch.maximum(q[h].float() * hi[h // group], q[h].float() * lo[h // group]).sum()
+                scores[h // group, b] = max(scores[h // group, b], bound)
+    keep = torch.zeros(num_kv_heads, n, dtype=torch.bool)
+    keep[:, 0] = keep[:, n - 1] = True
+    for h in range(num_kv_heads):
+        keep[h, 1 + scores[h, 1 : n - 1].topk(budget_blocks).indices] = True
+    return keep
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quest_selection_equals_brute_force(seed):
+    """Random keys written through the cache's write hook (some blocks moved to the host pool), GQA 3:1,
+    block size 32 with 16-token pages, a partial last block: the selection equals the definition's."""
+    g = torch.Generator().manual_seed(seed)
+    layers, num_kv_heads, group, dim, bs = 1, 2, 3, 8, 32
+    cache = PagedKVCache(layers, 12, bs, num_kv_heads, dim, torch.float32, torch.device("cpu"))
+    bounds = BlockKeyBounds(layers, 12, 6, bs, num_kv_heads, dim, torch.device("cpu"), page_size=16)
+    cache.hooks.append(bounds)
+    table, seq_len = [5, 2, 9, 0, 7, 11, 3], 6 * bs + 9
+    keys = torch.randn(seq_len, num_kv_heads, dim, generator=g)
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])
+    for start in range(0, seq_len, 20):  # written in chunks, as prefill and decode steps do
+        cache.write(0, keys[start : start + 20], keys[start : start + 20], slots[start : start + 20])
+    cache.moved_to_host([(2, 4), (0, 1)])  # blocks 1 and 3 of the sequence now live in host blocks 4 and 1
+    located = [5, 4, 9, 1, 7, 11, 3]
+    on_host = [False, True, False, True, False, False, False]
+    q = torch.randn(1, num_kv_heads * group, dim, generator=g)
+    selector = QuestSelector(bounds, token_budget=2 * bs, dense_layers=0, min_context=0)
+    batch = SelectionInput([1], [seq_len], bs, [located], [on_host])
+    got = selector.select(0, q, num_kv_heads, batch)[0]
+    assert torch.equal(got, brute_force_quest(keys, q[0], seq_len, budget_blocks=2, bs=bs))
+    assert got.sum(1).tolist() == [4, 4]  # sink + 2 + the most recent block, per KV head
+
+
+def quest_llm(path, **options) -> LLM:
+    opts = dict(kvcache_block_size=BS, device="cpu", sparse_policy="quest", sparse_min_context=0, quest_dense_layers=0,
+                max_num_batched_tokens=64)
+    return LLM(str(path), **{**opts, **options})
+
+
+PROMPTS = [list(range(3, 150)), [7] * 40 + list(range(60)), list(range(200, 20, -1))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_quest_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, offload):
+    want = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", num_gpu_blocks=64,
+               max_num_batched_tokens=64).generate(PROMPTS, GREEDY, use_tqdm=False)
+    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
+        dict(num_gpu_blocks=64)
+    got = quest_llm(tiny_llama, quest_token_budget=4096, **memory).generate(PROMPTS, GREEDY, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        assert g.metrics.decode_density == 1.0
+
+
+def test_quest_decode_density_matches_an_independent_count(tiny_llama):
+    """One request, budget 2 blocks: each decode step reads min(n, 2 + sink + recent) of its n blocks in
+    every layer past the first (dense) one; prefill stays dense."""
+    prompt, new_tokens, budget = list(range(5, 130)), 12, 2
+    llm = quest_llm(tiny_llama, num_gpu_blocks=64, quest_token_budget=budget * BS, quest_dense_layers=1)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                       use_tqdm=False)[0]
+    layers, heads = 2, 2
+    read = present = 0
+    for step in range(1, new_tokens):  # the first token comes from the prefill
+        n = -(-(len(prompt) + step) // BS)
+        present += layers * heads * n
+        read += heads * n + heads * min(n, budget + 2)  # layer 0 dense, layer 1 sparse
+    assert out.metrics.decode_density == pytest.approx(read / present)
+    assert out.metrics.decode_density < 1.0
+    assert out.metrics.prefill_density == 1.0
+    assert out.metrics.host_kv_bytes_read == 0
+
+
+def test_quest_offload_reports_the_host_bytes_it_copies(tiny_llama):
+    """In offload mode each sparse layer copies only the host blocks some KV head selected; the request's
+    host_kv_bytes_read equals what the host pool counted, and is below what dense offload copies."""
+    options = dict(num_gpu_blocks=6, enable_cpu_offload=True, cpu_kv_cache_gb=0.01)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = list(range(1, 200))
+    sparse = quest_llm(tiny_llama, quest_token_budget=BS, **options)
+    out = sparse.generate([prompt], params, use_tqdm=False)[0]
+    assert out.metrics.host_kv_bytes_read == sparse.runner.host_pool.stats.h2d_bytes > 0
+    dense = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", max_num_batched_tokens=64, **options)
+    dense_out = dense.generate([prompt], params, use_tqdm=False)[0]
+    assert dense_out.metrics.host_kv_bytes_read == dense.runner.host_pool.stats.h2d_bytes
+    assert out.metrics.host_kv_bytes_read < dense_out.metrics.host_kv_bytes_read
+    assert out.metrics.decode_density < 1.0
