@@ -133,3 +133,106 @@ def test_quest_offload_reports_the_host_bytes_it_copies(tiny_llama):
     assert dense_out.metrics.host_kv_bytes_read == dense.runner.host_pool.stats.h2d_bytes
     assert out.metrics.host_kv_bytes_read < dense_out.metrics.host_kv_bytes_read
     assert out.metrics.decode_density < 1.0
+
+
+def brute_force_xattention(q, keys, stride, granule, threshold) -> torch.Tensor:
+    """The definition, with loops: [Hk, query granules, key granules] kept, for the query granules from
+    the one holding the first query. q [n_q, Hq, D] are the last n_q of len(keys) positions."""
+    import math
+
+    n_q, num_heads, dim = q.shape
+    seq_len, num_kv_heads = keys.shape[:2]
+    group, start = num_heads // num_kv_heads, seq_len - n_q
+    row = {start + j: q[j].double() for j in range(n_q)}
+    first_tile, key_tiles = start // stride, -(-seq_len // stride)
+    first_granule = first_tile * stride // granule
+    mass = torch.zeros(num_kv_heads, (key_tiles * stride - 1) // granule - first_granule + 1,
+                       (key_tiles * stride - 1) // granule + 1, dtype=torch.float64)
+    for t in range(first_tile, key_tiles):
+        for h in range(num_heads):
+            scores = []
+            for u in range(t + 1):
+                total = 0.0
+                for j in range(stride):  # query row t*S + S-1-j with key row u*S + j
+                    qp, kp = t * stride + stride - 1 - j, u * stride + j
+                    if qp in row and kp < seq_len:
+                        total += float(row[qp][h] @ keys[kp, h // group].double())
+                scores.append(total / (math.sqrt(dim) * stride))
+            probs = torch.tensor(scores, dtype=torch.float64).softmax(0)
+            for u, p in enumerate(probs):
+                mass[h // group, t * stride // granule - first_granule, u * stride // granule] += p
+    keep = torch.zeros(mass.shape, dtype=torch.bool)
+    for k in range(num_kv_heads):
+        for r in range(mass.shape[1]):
+            share = mass[k, r] / mass[k, r].sum()
+            covered = 0.0
+            for c in share.argsort(descending=True).tolist():
+                if covered >= threshold or share[c] == 0:
+                    break
+                keep[k, r, c] = True
+                covered += float(share[c])
+            keep[k, r, 0] = keep[k, r, first_granule + r] = True
+    return keep
+
+
+@pytest.mark.parametrize("seq_len, n_q, granule", [(96, 96, 16), (150, 37, 32), (200, 64, 64)])
+def test_xattention_selection_equals_brute_force(seq_len, n_q, granule):
+    """GQA 2:1, stride 4, a chunk whose first query is not tile-aligned (chunked prefill)."""
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    g = torch.Generator().manual_seed(seq_len)
+    keys = torch.randn(seq_len, 2, 16, generator=g) * 2
+    q = torch.randn(n_q, 4, 16, generator=g) * 2
+    selector = XAttentionSelector(None, None, threshold=0.8, stride=4, block_size=granule, min_context=0)
+    got = selector.sequence_selection(q, keys, kv_block=granule)
+    want = brute_force_xattention(q, keys, 4, granule, 0.8)
+    first = (seq_len - n_q) // granule
+    assert torch.equal(got, want[:, :, : got.shape[2]])
+    assert got.shape[1] == -(-seq_len // granule) - first
+    if got.shape[2] > 4:
+        assert not got.all()  # it is sparse
+
+
+def xattn_llm(path, **options) -> LLM:
+    opts = dict(kvcache_block_size=BS, device="cpu", sparse_policy="xattention", sparse_min_context=0,
+                xattn_block_size=16, xattn_stride=4, max_num_batched_tokens=64)
+    return LLM(str(path), **{**opts, **options})
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_xattention_with_threshold_one_equals_full_attention(tiny_llama, offload):
+    want = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", num_gpu_blocks=64,
+               max_num_batched_tokens=64).generate(PROMPTS, GREEDY, use_tqdm=False)
+    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
+        dict(num_gpu_blocks=64)
+    got = xattn_llm(tiny_llama, xattn_threshold=1.0, **memory).generate(PROMPTS, GREEDY, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        assert g.metrics.prefill_density == 1.0
+
+
+def test_xattention_sparse_prefill_same_device_only_and_offload(tiny_llama):
+    """Threshold 0.5: prefill attends a fraction of the causal block pairs; device-only and offload (same
+    chunks) give the same tokens and densities; offload reports the host bytes its pool copied (host
+    blocks' K for the estimate, selected blocks' K and V for attention)."""
+    schedule = dict(max_num_batched_tokens=16, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = PROMPTS[0] + PROMPTS[2]
+    device = xattn_llm(tiny_llama, xattn_threshold=0.5, num_gpu_blocks=64, **schedule)
+    a = device.generate([prompt], params, use_tqdm=False)[0]
+    offload = xattn_llm(tiny_llama, xattn_threshold=0.5, num_gpu_blocks=8, enable_cpu_offload=True,
+                        cpu_kv_cache_gb=0.01, **schedule)
+    b = offload.generate([prompt], params, use_tqdm=False)[0]
+    assert 0 < a.metrics.prefill_density < 1 and a.metrics.prefill_density == b.metrics.prefill_density
+    assert a.token_ids == b.token_ids
+    assert b.metrics.host_kv_bytes_read == offload.runner.host_pool.stats.h2d_bytes > 0
+
+
+def test_xattention_plus_quest_uses_each_for_its_rows(tiny_llama):
+    llm = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", num_gpu_blocks=64, max_num_batched_tokens=64,
+              sparse_policy="xattention+quest", sparse_min_context=0, xattn_block_size=16, xattn_stride=4,
+              xattn_threshold=0.5, quest_token_budget=BS, quest_dense_layers=0)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert out.metrics.prefill_density < 1 and out.metrics.decode_density < 1

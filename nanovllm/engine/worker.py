@@ -66,7 +66,7 @@ class Worker:
         # Decode steps with host KV staged in CUDA graphs need the runtime's graph-update calls.
         can_stage = self.host_pool is not None and (not self.host_pool.cuda or graph_copies.available())
         self.staged = StagedCopies(self.host_pool) if can_stage else None
-        self.selector: BlockSelector = build_sparse_policy(config, self.kv_cache, self.num_host_blocks)
+        self.selector: BlockSelector = build_sparse_policy(config, self.kv_cache, self.host_pool)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)

@@ -1,11 +1,12 @@
 """Block selection: which KV blocks each KV head attends to, per layer and step.
 
 Every KV-access strategy (layers/kv_access.py, engine/offload/) asks the step's selector before it
-copies or attends. A selector sees the layer, the step's queries and each sequence's block count and
-returns, per sequence, a bool mask [num_kv_heads, num_blocks] over the sequence's blocks in position
-order, or None for "every block" (the dense fast path). Blocks that hold any of the step's query
-tokens are always attended to, whatever the mask says, so a selector only narrows the history that
-precedes the queries, and the causal mask stays right when the rest is dropped.
+copies or attends. A selector sees the layer, the step's queries and each sequence's blocks and
+returns, per sequence, a bool mask over the sequence's blocks in position order, [num_kv_heads,
+num_blocks] for all its query rows or [num_kv_heads, query blocks, num_blocks] per block of query
+rows (prefill), or None for "every block" (the dense fast path). Blocks that hold the queries are
+always attended to, whatever the mask says, so a selector only narrows the history that precedes
+them, and the causal mask stays right when the rest is dropped.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class SelectionInput:
     block_size: int
     block_tables: list[list[int]]
     on_host: list[list[bool]] | None = None
+    stats: SparseStats | None = None  # where a selector counts host KV it reads for its estimate
 
     def num_blocks(self, i: int) -> int:
         return -(-self.seq_lens[i] // self.block_size)
@@ -39,7 +41,7 @@ class SelectionInput:
         return slice(start, start + self.query_lens[i])
 
 
-Selection = list[torch.Tensor]  # per sequence: bool [num_kv_heads, num_blocks], True = attend
+Selection = list[torch.Tensor]  # per sequence: bool [Hk, blocks] or [Hk, query blocks, blocks], True = attend
 
 
 class BlockSelector(ABC):
@@ -52,13 +54,20 @@ class BlockSelector(ABC):
 
 
 def with_query_blocks(selection: Selection, batch: SelectionInput) -> Selection:
-    """The selection with every block that holds a query token switched on (see the module docstring)."""
+    """The selection with every block that holds a query token switched on (see the module docstring).
+    A per-sequence mask is [Hk, blocks] (every query row) or [Hk, query blocks, blocks], one row of blocks
+    per block holding queries (from first_query_block on); there only the block's own diagonal is forced."""
     masks = []
     for i, mask in enumerate(selection):
-        if mask.shape[1] != batch.num_blocks(i):
-            raise ValueError(f"selection for sequence {i} covers {mask.shape[1]} blocks, it has {batch.num_blocks(i)}")
+        n, first = batch.num_blocks(i), batch.first_query_block(i)
+        if mask.shape[-1] != n or (mask.dim() == 3 and mask.shape[1] != n - first):
+            raise ValueError(f"selection for sequence {i} has shape {tuple(mask.shape)}; it has {n} blocks, "
+                             f"{n - first} of them with queries")
         mask = mask.clone()
-        mask[:, batch.first_query_block(i):] = True
+        if mask.dim() == 2:
+            mask[:, first:] = True
+        else:
+            mask[:, torch.arange(n - first), torch.arange(first, n)] = True
         masks.append(mask)
     return masks
 
@@ -82,7 +91,9 @@ class SparseStats:
                 self.decode[i][1] += n * num_kv_heads
                 continue
             visible = sum(range(first + 1, n + 1)) * num_kv_heads  # query block b sees KV blocks 0..b
-            kept = visible if selection is None else sum(int(selection[i][:, : b + 1].sum()) for b in range(first, n))
+            mask = None if selection is None else selection[i]
+            kept = visible if mask is None else sum(
+                int((mask if mask.dim() == 2 else mask[:, b - first])[:, : b + 1].sum()) for b in range(first, n))
             self.prefill[i][0] += kept
             self.prefill[i][1] += visible
 

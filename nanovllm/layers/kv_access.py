@@ -10,6 +10,8 @@ asks the step's block selector which blocks each KV head attends to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,13 +45,17 @@ class DeviceKV(KVAccess):
         k_cache, v_cache = self.cache.layer(layer)
         if self.selector.dense:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
-        batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size, self.meta.block_tables)
+        batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size, self.meta.block_tables,
+                               stats=self.stats)
         selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch, self.stats)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         out = torch.empty_like(q)
-        for head, meta in enumerate(per_head_metadata(self.backend, self.meta, self.meta.block_tables, selection)):
+        groups = query_groups(batch, selection)
+        for head in range(k_cache.shape[2]):
             rows = head_rows(q, k_cache.shape[2], head)
+            meta = group_metadata(self.backend, groups, head, lambda g, c: batch.block_tables[g.seq][c],
+                                  self.meta.block_size, q.device)
             out[:, rows] = self.backend.forward(q[:, rows].contiguous(), k_cache[:, :, head : head + 1],
                                                 v_cache[:, :, head : head + 1], meta, scale)
         return out
@@ -74,21 +80,45 @@ def head_rows(q: torch.Tensor, num_kv_heads: int, head: int) -> slice:
     return slice(head * group, (head + 1) * group)
 
 
-def per_head_metadata(backend: AttentionBackend, meta: AttentionMetadata, tables: list[list[int]],
-                      selection: Selection) -> list[AttentionMetadata]:
-    """Per KV head, metadata over the selected blocks only: compacted tables and lengths. Dropped blocks
-    are full and precede every query, so the causal mask stays right. tables: each sequence's blocks in
-    position order (ids in the pool that the metadata will be used with)."""
-    bs = meta.block_size
-    num_heads = selection[0].shape[0] if selection else 0
-    masks = [m.tolist() for m in selection]
-    result = []
-    for head in range(num_heads):
-        kept_tables, kept_lens = [], []
-        for table, mask, seq_len in zip(tables, masks, meta.seq_lens):
-            kept = [b for b, keep in zip(table, mask[head]) if keep]
-            kept_tables.append(kept)
-            kept_lens.append(seq_len - (len(mask[head]) - len(kept)) * bs)
-        result.append(backend.build_metadata(meta.query_lens, kept_lens, kept_tables, [], bs,
-                                             meta.cu_query_lens.device))
-    return result
+@dataclass
+class QueryGroup:
+    """Consecutive query rows of one sequence that attend to the same blocks: rows [start, start + count)
+    of the step, causal over the sequence's first `end` positions; mask[head][c]: block c attended."""
+
+    seq: int
+    start: int
+    count: int
+    end: int
+    mask: list[list[bool]]
+
+
+def query_groups(batch: SelectionInput, selection: Selection) -> list[QueryGroup]:
+    """The step's query rows, in order, as groups: one per sequence for a [Hk, blocks] mask, one per query
+    block for a [Hk, query blocks, blocks] mask."""
+    groups, row, bs = [], 0, batch.block_size
+    for i, mask in enumerate(selection):
+        count, end = batch.query_lens[i], batch.seq_lens[i]
+        if mask.dim() == 2:
+            groups.append(QueryGroup(i, row, count, end, mask.tolist()))
+        else:
+            first = batch.first_query_block(i)
+            for g in range(mask.shape[1]):
+                lo, hi = max(end - count, (first + g) * bs), min(end, (first + g + 1) * bs)
+                groups.append(QueryGroup(i, row + lo - (end - count), hi - lo, hi, mask[:, g, : first + g + 1].tolist()))
+        row += count
+    return groups
+
+
+def group_metadata(backend: AttentionBackend, groups: list[QueryGroup], head: int,
+                   block_of: Callable[[QueryGroup, int], int | None], block_size: int, device: torch.device,
+                   causal: bool = True) -> AttentionMetadata:
+    """Metadata for KV head `head`, one "sequence" per group, over the blocks it attends that block_of
+    names in the pool at hand (None: not in that pool). causal: dropped blocks are full and precede the
+    group's queries, so compacting them away keeps the mask right; else the kept blocks are history."""
+    query_lens, seq_lens, tables = [], [], []
+    for g in groups:
+        kept = [x for c, keep in enumerate(g.mask[head]) if keep and (x := block_of(g, c)) is not None]
+        query_lens.append(g.count)
+        tables.append(kept)
+        seq_lens.append(g.end - (len(g.mask[head]) - len(kept)) * block_size if causal else len(kept) * block_size)
+    return backend.build_metadata(query_lens, seq_lens, tables, [], block_size, device)

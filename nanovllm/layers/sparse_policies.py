@@ -6,6 +6,13 @@
   over its query heads; each KV head reads its top blocks within `token_budget` tokens plus the sink
   block and the most recent block. The first `dense_layers` layers, prefill rows and sequences shorter
   than `min_context` stay dense.
+- `XAttentionSelector` (prefill): antidiagonal scoring. Queries and keys are cut into tiles of
+  `stride` positions; a (query tile, key tile) pair scores the sum of q.k over the tile's antidiagonal
+  (one stride-th of the full Q.K^T work), softmax per query head over the visible key tiles, the
+  probabilities summed over the query heads of each KV-head group (K is never repeated per query head)
+  and over `block_size`-token blocks. Per KV head and block of queries, the fewest key blocks that
+  cover `threshold` of that estimated mass are kept, with the sink block and the diagonal. Host blocks'
+  K (never V) is read for the estimate. Selections are made at max(block_size, KV block) tokens.
 - `build_sparse_policy` maps `sparse_policy` ("full", "quest", ...) to a selector and registers the
   metadata hooks it needs on the KV cache.
 """
@@ -66,14 +73,130 @@ class QuestSelector(BlockSelector):
         return page_scores.view(num_kv_heads, n, -1).amax(-1)
 
 
-def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, num_host_blocks: int) -> BlockSelector:
-    """The selector for config.sparse_policy; registers on `cache` the hooks it needs."""
+class XAttentionSelector(BlockSelector):
+    name = "xattention"
+
+    def __init__(self, cache: PagedKVCache, host_pool, threshold: float, stride: int, block_size: int,
+                 min_context: int):
+        """host_pool: the offload pool (read_keys), or None."""
+        self.cache, self.host_pool = cache, host_pool
+        self.threshold, self.stride, self.block_size, self.min_context = threshold, stride, block_size, min_context
+
+    def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
+        masks, sparse = [], False
+        for i in range(len(batch.seq_lens)):
+            n = batch.num_blocks(i)
+            if batch.query_lens[i] == 1 or batch.seq_lens[i] < self.min_context:
+                masks.append(torch.ones(num_kv_heads, n, dtype=torch.bool))
+                continue
+            keys = self._keys(layer, batch, i)
+            masks.append(self.sequence_selection(q[batch.query_rows(i)], keys, batch.block_size))
+            sparse = True
+        return masks if sparse else None
+
+    def _keys(self, layer: int, batch: SelectionInput, i: int) -> torch.Tensor:
+        """[seq_len, Hk, D] keys of sequence i: device blocks from the cache, host blocks' K from the pool."""
+        n, table = batch.num_blocks(i), batch.block_tables[i]
+        flags = batch.on_host[i][:n] if batch.on_host else [False] * n
+        k_cache = self.cache.layer(layer)[0]
+        device_ids = [0 if host else b for b, host in zip(table[:n], flags)]
+        blocks = k_cache.index_select(0, torch.tensor(device_ids, dtype=torch.int64).to(k_cache.device))
+        host = [c for c in range(n) if flags[c]]
+        if host:
+            blocks[host] = self.host_pool.read_keys(layer, [table[c] for c in host], k_cache.device)
+            if batch.stats is not None:
+                batch.stats.host_bytes[i] += len(host) * self.host_pool.block_bytes_per_layer // 2
+        return blocks.flatten(0, 1)[: batch.seq_lens[i]]
+
+    def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor, kv_block: int) -> torch.Tensor:
+        """q [n_q, Hq, D] (the last n_q of seq_len positions), keys [seq_len, Hk, D] -> bool
+        [Hk, query blocks, blocks] at KV-block granularity."""
+        seq_len, num_kv_heads = keys.shape[:2]
+        granule = max(kv_block, self.block_size)
+        mass, first_tile = antidiagonal_mass(q, keys, self.stride)  # [Hk, T, U]
+        tiles_q = (first_tile + torch.arange(mass.shape[1])) * self.stride // granule
+        tiles_k = torch.arange(mass.shape[2]) * self.stride // granule
+        first_granule = int(tiles_q[0])
+        per_key = torch.zeros(num_kv_heads, mass.shape[1], int(tiles_k[-1]) + 1).index_add_(2, tiles_k, mass.cpu())
+        blocks = torch.zeros(num_kv_heads, int(tiles_q[-1]) - first_granule + 1, per_key.shape[2])
+        blocks.index_add_(1, tiles_q - first_granule, per_key)
+        keep = self._fewest_covering(blocks)
+        rows = torch.arange(keep.shape[1])
+        keep[:, rows, first_granule + rows] = True  # the diagonal
+        keep[:, :, 0] = True  # the sink
+        n, first_block = -(-seq_len // kv_block), (seq_len - q.shape[0]) // kv_block
+        query_granules = torch.arange(first_block, n) * kv_block // granule - first_granule
+        key_granules = torch.arange(n) * kv_block // granule
+        return keep[:, query_granules][:, :, key_granules]
+
+    def _fewest_covering(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""
+        if self.threshold >= 1.0:
+            return blocks > 0
+        share = blocks / blocks.sum(-1, keepdim=True).clamp(min=1e-30)
+        ordered, order = share.sort(-1, descending=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the blocks ranked above each one
+        return torch.zeros_like(share, dtype=torch.bool).scatter_(-1, order, (before < self.threshold) & (ordered > 0))
+
+
+def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int) -> tuple[torch.Tensor, int]:
+    """Estimated attention mass per (query tile, key tile) of `stride` positions, summed over the query
+    heads of each KV head: [Hk, query tiles, key tiles], and the first query tile's index. A pair's score
+    is the sum over its tile's antidiagonal of q.k (query row stride-1-j with key row j), scaled like one
+    dot product; softmax per query tile and head over the causally visible key tiles."""
+    n_q, num_heads, dim = q.shape
+    seq_len, num_kv_heads = keys.shape[:2]
+    start = seq_len - n_q
+    first_tile, num_key_tiles = start // stride, -(-seq_len // stride)
+    num_query_tiles = num_key_tiles - first_tile
+    queries = q.new_zeros(num_query_tiles * stride, num_heads, dim, dtype=torch.float32)
+    queries[start - first_tile * stride : start - first_tile * stride + n_q] = q.float()
+    padded_keys = keys.new_zeros(num_key_tiles * stride, num_kv_heads, dim, dtype=torch.float32)
+    padded_keys[:seq_len] = keys.float()
+    q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, num_heads // num_kv_heads, dim).flip(1)
+    k_tiles = padded_keys.view(num_key_tiles, stride, num_kv_heads, dim)
+    scores = torch.einsum("tjkgd,ujkd->kgtu", q_tiles, k_tiles) / (dim**0.5 * stride)
+    visible = torch.arange(num_key_tiles, device=q.device)[None, :] <= \
+        (first_tile + torch.arange(num_query_tiles, device=q.device))[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return probs.sum(1), first_tile
+
+
+class PrefillDecodeSelector(BlockSelector):
+    """One selector for prefill rows, another for decode rows (sparse_policy "xattention+quest")."""
+
+    name = "xattention+quest"
+
+    def __init__(self, prefill: BlockSelector, decode: BlockSelector):
+        self.prefill, self.decode = prefill, decode
+
+    def select(self, layer, q, num_kv_heads, batch) -> Selection | None:
+        by_prefill = self.prefill.select(layer, q, num_kv_heads, batch)
+        by_decode = self.decode.select(layer, q, num_kv_heads, batch)
+        if by_prefill is None and by_decode is None:
+            return None
+        ones = [torch.ones(num_kv_heads, batch.num_blocks(i), dtype=torch.bool) for i in range(len(batch.seq_lens))]
+        by_prefill, by_decode = by_prefill or ones, by_decode or ones
+        return [d if n == 1 else p for p, d, n in zip(by_prefill, by_decode, batch.query_lens)]
+
+
+def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=None) -> BlockSelector:
+    """The selector for config.sparse_policy; registers on `cache` the hooks it needs. host_pool: the
+    offload pool, whose host blocks' keys XAttention reads for its estimate."""
     if config.sparse_policy == "full":
         return DenseSelector()
-    if config.sparse_policy != "quest":
-        raise ValueError(f"sparse_policy={config.sparse_policy!r} is not available yet (available: full, quest)")
-    _, num_layers, num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
-    bounds = BlockKeyBounds(num_layers, num_blocks, num_host_blocks, block_size, num_kv_heads, head_dim,
-                            cache.data.device, page_size=min(QUEST_PAGE_SIZE, block_size), dtype=cache.data.dtype)
-    cache.hooks.append(bounds)
-    return QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers, config.sparse_min_context)
+    selectors = {}
+    if "quest" in config.sparse_policy:
+        _, num_layers, num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
+        bounds = BlockKeyBounds(num_layers, num_blocks, host_pool.num_host_blocks if host_pool else 0, block_size,
+                                num_kv_heads, head_dim, cache.data.device, page_size=min(QUEST_PAGE_SIZE, block_size),
+                                dtype=cache.data.dtype)
+        cache.hooks.append(bounds)
+        selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
+                                           config.sparse_min_context)
+    if "xattention" in config.sparse_policy:
+        selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
+                                                     config.xattn_block_size, config.sparse_min_context)
+    if len(selectors) == 2:
+        return PrefillDecodeSelector(selectors["xattention"], selectors["quest"])
+    return next(iter(selectors.values()))

@@ -90,6 +90,14 @@ class HostKVPool:
                     self.host[kv, layer, host_start : host_start + n], non_blocking=True)
         self.count("h2d", n=2 * len(runs), blocks=sum(r[2] for r in runs))
 
+    def read_keys(self, layer: int, blocks: list[int], device: torch.device) -> torch.Tensor:
+        """K (never V) of one layer's host blocks, on the device: [len(blocks), block_size, Hk, D]."""
+        index = torch.tensor(blocks, dtype=torch.int64)
+        keys = self.host[0, layer].index_select(0, index).to(device, non_blocking=True)
+        self.stats.h2d_bytes += len(blocks) * self.block_bytes_per_layer // 2
+        self.stats.h2d_copies += 1
+        return keys
+
     def count(self, direction: str, n: int, blocks: int) -> None:
         nbytes = blocks * self.block_bytes_per_layer
         if direction == "h2d":

@@ -29,7 +29,7 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, consecutive_runs
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import BlockSelector, SelectionInput, SparseStats
-from nanovllm.layers.kv_access import KVAccess, head_rows, select_blocks
+from nanovllm.layers.kv_access import KVAccess, QueryGroup, group_metadata, head_rows, query_groups, select_blocks
 
 
 @dataclass
@@ -180,7 +180,7 @@ class SplitKV(_OffloadKV):
         super().__init__(pool, cache, backend, offloads)
         bs = pool.block_size
         self.block_tables, self.on_host, self.selector, self.stats = block_tables, on_host, selector, stats
-        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host)
+        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats)
         device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
         compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
         self.meta = backend.build_metadata(query_lens, compact_lens, device_tables, slots, bs, pool.device)
@@ -246,34 +246,37 @@ class SplitKV(_OffloadKV):
     def _attend_selected(self, layer: int, q, k_cache, v_cache, selection, scale) -> torch.Tensor:
         """Per KV head over its selected blocks; this layer copies the union of the heads' host blocks."""
         bs, num_kv_heads = self.pool.block_size, k_cache.shape[2]
-        masks = [m.tolist() for m in selection]
-        wanted = [[b for b, h, *keep in zip(t, f, *m) if h and any(keep)]
-                  for t, f, m in zip(self.block_tables, self.on_host, masks)]
-        pieces = pack(wanted, self.pool.ring_blocks)
+        groups = query_groups(self.batch, selection)
+        wanted_sets: list[set[int]] = [set() for _ in self.block_tables]
+        for g in groups:
+            flags = self.on_host[g.seq]
+            wanted_sets[g.seq].update(c for c in range(len(g.mask[0])) if flags[c] and any(m[c] for m in g.mask))
+        wanted = [[self.block_tables[i][c] for c in sorted(cs)] for i, cs in enumerate(wanted_sets)]
         if self.stats is not None:
             for i, blocks in enumerate(wanted):
                 self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+
+        def on_device(g: QueryGroup, c: int) -> int | None:
+            return None if self.on_host[g.seq][c] else self.block_tables[g.seq][c]
+
         for head in range(num_kv_heads):
             rows = head_rows(q, num_kv_heads, head)
-            tables, lens = [], []
-            for t, f, m, n in zip(self.block_tables, self.on_host, masks, self.batch.seq_lens):
-                tables.append([b for b, h, keep in zip(t, f, m[head]) if keep and not h])
-                lens.append(n - (len(t) - len(tables[-1])) * bs)
-            meta = self.backend.build_metadata(self.batch.query_lens, lens, tables, [], bs, q.device)
+            meta = group_metadata(self.backend, groups, head, on_device, bs, q.device)
             self.backend.forward_with_lse(q[:, rows].contiguous(), k_cache[:, :, head : head + 1],
                                           v_cache[:, :, head : head + 1], meta, scale, out=(out[:, rows], lse[:, rows]))
-        for runs, _ in pieces:
+        for runs, _ in pack(wanted, self.pool.ring_blocks):
             self._fill(layer, 0, runs, -1)
             self._wait_copied(-1)
             where = {host + j: position + j for host, position, n in runs for j in range(n)}  # host id -> ring position
+
+            def in_ring(g: QueryGroup, c: int) -> int | None:
+                return where.get(self.block_tables[g.seq][c]) if self.on_host[g.seq][c] else None
+
             for head in range(num_kv_heads):
                 rows = head_rows(q, num_kv_heads, head)
-                tables = [[where[b] for b, h, keep in zip(t, f, m[head]) if h and keep and b in where]
-                          for t, f, m in zip(self.block_tables, self.on_host, masks)]
-                meta = self.backend.build_metadata(self.batch.query_lens, [len(t) * bs for t in tables], tables, [],
-                                                   bs, q.device)
+                meta = group_metadata(self.backend, groups, head, in_ring, bs, q.device, causal=False)
                 self.backend.history_attention(q[:, rows].contiguous(), self.pool.ring[0, 0][:, :, head : head + 1],
                                                self.pool.ring[1, 0][:, :, head : head + 1], meta, scale,
                                                (out[:, rows], lse[:, rows]))
