@@ -41,23 +41,37 @@ class RandomHeadSelector(BlockSelector):
         return masks
 
 
+class RandomRowBlocksSelector(RandomHeadSelector):
+    """A different random subset per layer, KV head and block of query rows ([Hk, query blocks, blocks])."""
+
+    def select(self, layer, q, num_kv_heads, batch: SelectionInput):
+        g = torch.Generator().manual_seed(self.seed * 100 + layer)
+        masks = [torch.rand(num_kv_heads, batch.num_blocks(i) - batch.first_query_block(i), batch.num_blocks(i),
+                            generator=g) < 0.5 for i in range(len(batch.seq_lens))]
+        self.masks[layer] = masks
+        return masks
+
+
 def reference(q, keys_of, masks, query_lens, seq_lens, scale) -> torch.Tensor:
-    """Attention of each query over exactly the selected blocks of its sequence and head (plus the blocks
-    holding queries), causal by true position, in float64. keys_of(i) -> (k, v) [seq_len, HK, D]."""
+    """Attention of each query over exactly the selected blocks of its sequence and head (plus its own
+    block; for a [Hk, blocks] mask every block holding queries), causal by true position, in float64.
+    keys_of(i) -> (k, v) [seq_len, HK, D]. masks: per sequence [HK, blocks] or [HK, query blocks, blocks]."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     row = 0
     for i, (n, seq_len) in enumerate(zip(query_lens, seq_lens)):
         k, v = keys_of(i)
         first_query_block = (seq_len - n) // BS
-        for h in range(HK):
-            blocks = [b for b in range(-(-seq_len // BS)) if masks[i][h, b] or b >= first_query_block]
-            positions = torch.tensor([p for b in blocks for p in range(b * BS, min((b + 1) * BS, seq_len))])
-            kh, vh = k[positions, h].double(), v[positions, h].double()
-            for j in range(n):
-                visible = positions <= seq_len - n + j
+        for j in range(n):
+            pos = seq_len - n + j
+            own = pos // BS
+            for h in range(HK):
+                mask = masks[i][h] if masks[i].dim() == 2 else masks[i][h, own - first_query_block]
+                blocks = [b for b in range(own + 1) if mask[b] or b == own or (masks[i].dim() == 2 and b >= first_query_block)]
+                positions = torch.tensor([p for b in blocks for p in range(b * BS, min((b + 1) * BS, pos + 1))])
+                kh, vh = k[positions, h].double(), v[positions, h].double()
                 for qh in range(h * GROUP, (h + 1) * GROUP):
-                    scores = (kh[visible] @ q[row + j, qh].double()) * scale
-                    out[row + j, qh] = torch.softmax(scores, 0) @ vh[visible]
+                    scores = (kh @ q[row + j, qh].double()) * scale
+                    out[row + j, qh] = torch.softmax(scores, 0) @ vh
         row += n
     return out
 
@@ -84,13 +98,17 @@ def slots_of(tables: list[list[int]]) -> list[int]:
             for p in range(s - n, s)]
 
 
+SELECTORS = [RandomHeadSelector, RandomRowBlocksSelector]
+
+
+@pytest.mark.parametrize("selector_class", SELECTORS, ids=["per-head", "per-head-and-query-block"])
 @pytest.mark.parametrize("selector_seed", [0, 1, 2])
-def test_device_kv_attends_to_exactly_the_selected_blocks(selector_seed):
+def test_device_kv_attends_to_exactly_the_selected_blocks(selector_seed, selector_class):
     cache = random_cache(12, seed=1)
     tables = [[3, 0, 7, 5, 9], [2, 4, 8, 1]]
     backend = get_attention_backend("torch")
     meta = backend.build_metadata(QUERY_LENS, SEQ_LENS, tables, slots_of(tables), BS, torch.device("cpu"))
-    selector = RandomHeadSelector(selector_seed)
+    selector = selector_class(selector_seed)
     kv = DeviceKV(cache, backend, meta, selector)
     for layer in range(LAYERS):
         q, k, v = new_tokens(10 + layer)
@@ -105,9 +123,10 @@ def test_device_kv_attends_to_exactly_the_selected_blocks(selector_seed):
         assert any(not m.all() for m in selector.masks[layer])  # the selection really drops blocks
 
 
+@pytest.mark.parametrize("selector_class", SELECTORS, ids=["per-head", "per-head-and-query-block"])
 @pytest.mark.parametrize("ring_blocks", [1, 2, 8])
 @pytest.mark.parametrize("selector_seed", [0, 3])
-def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, selector_seed):
+def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, selector_seed, selector_class):
     """Host blocks (full, older than every query) mixed with device blocks; the ring holds 1, 2 or 8 blocks,
     so a layer's selected host blocks take one or several pieces."""
     cache = random_cache(10, seed=2)
@@ -116,7 +135,7 @@ def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, sel
     tables = [[4, 6, 3, 1, 7], [2, 8, 5, 0]]  # ids within their pool
     on_host = [[True, True, False, True, False], [True, False, False, False]]
     backend = get_attention_backend("torch")
-    selector = RandomHeadSelector(selector_seed)
+    selector = selector_class(selector_seed)
     kv = SplitKV(pool, cache, backend, [], tables, on_host, QUERY_LENS, SEQ_LENS, slots_of(tables), selector)
     kv.begin()
     assert pool.stats.h2d_bytes == 0  # nothing is prefetched: each layer copies what it selects
@@ -133,7 +152,7 @@ def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, sel
         masks = selector.masks[layer]
         want = reference(q, keys_of, masks, QUERY_LENS, SEQ_LENS, 0.25)
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-        expected_blocks += sum(1 for i in range(2) for b, h in enumerate(on_host[i]) if h and masks[i][:, b].any())
+        expected_blocks += sum(1 for i in range(2) for b, h in enumerate(on_host[i]) if h and masks[i][..., b].any())
     assert pool.stats.h2d_bytes == expected_blocks * pool.block_bytes_per_layer
     assert expected_blocks < LAYERS * 4  # fewer than all host blocks of both layers
 
