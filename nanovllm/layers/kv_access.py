@@ -47,7 +47,7 @@ class DeviceKV(KVAccess):
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size, self.meta.block_tables,
                                stats=self.stats)
-        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch, self.stats)
+        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         out = torch.empty_like(q)
@@ -62,15 +62,15 @@ class DeviceKV(KVAccess):
 
 
 def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int,
-                  batch: SelectionInput, stats: SparseStats | None = None) -> Selection | None:
-    """The selector's masks with the query blocks forced on; None for every block (dense). stats: where
-    the attended share is counted."""
+                  batch: SelectionInput) -> Selection | None:
+    """The selector's masks with the query blocks forced on; None for every block (dense). The attended
+    share is counted in batch.stats."""
     if selector.dense:
         return None
     selection = selector.select(layer, q, num_kv_heads, batch)
     selection = None if selection is None else with_query_blocks(selection, batch)
-    if stats is not None:
-        stats.add(batch, selection, num_kv_heads)
+    if batch.stats is not None:
+        batch.stats.add(batch, selection, num_kv_heads)
     return selection
 
 

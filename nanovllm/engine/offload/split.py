@@ -211,7 +211,7 @@ class SplitKV(_OffloadKV):
     def attend(self, layer, q, k, v, scale):
         self._store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.cache.layer(layer)
-        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], self.batch, self.stats)
+        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], self.batch)
         if selection is not None:
             return self._attend_selected(layer, q, k_cache, v_cache, selection, scale)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
