@@ -299,7 +299,7 @@ def test_sizing_finds_the_largest_fit(length, per_unit, overhead):
     import random
 
     best = _Sizer(task, length, Prompter(WordTokenizer(), "base"), random.Random(0)).largest_fitting()
-    assert best == (length - 30 - overhead) // per_unit
+    assert best == (length - 30 - overhead) // per_unit // 10 * 10  # a multiple of the increment, as RULER's
 
 
 def test_unknown_task():
@@ -338,7 +338,7 @@ def test_run_ruler_over_a_fake_engine(tokenizer, samples, tmp_path, capsys):
         for i, s in enumerate(samples[task]):  # the first sample right, the second one wrong
             answers[tuple(prompter.encode(s["prompt"]))] = " " + ", ".join(s["references"]) if i == 0 else " ???"
     llm = FakeLLM(tokenizer, answers)
-    result = run_ruler(llm, [LENGTH], tasks, N, tmp_path, template="chat", use_tqdm=False)
+    result = run_ruler(llm, [LENGTH], tasks, N, tmp_path, template="chat", use_tqdm=False, generator="ours")
 
     assert len(llm.calls) == 1  # one batch for everything
     prompts, params = llm.calls[0]
@@ -351,6 +351,7 @@ def test_run_ruler_over_a_fake_engine(tokenizer, samples, tmp_path, capsys):
     assert summary["lengths"][LENGTH] == {"score": 50.0, "passed": 3, "total": 6}
     saved = json.loads((tmp_path / "ruler.json").read_text())
     assert saved["config"]["tasks"] == tasks and len(saved["samples"]) == 6
+    assert saved["config"]["generator"] == "ours"
     first = saved["samples"][0]
     assert first["prompt"] == samples["niah_multivalue"][0]["prompt"] and first["score"] == 100.0
     assert first["prediction"].startswith(" ") and first["references"] == samples["niah_multivalue"][0]["references"]
@@ -360,6 +361,18 @@ def test_run_ruler_over_a_fake_engine(tokenizer, samples, tmp_path, capsys):
     assert "| **average** | **50.00 (3/6)** |" in out and "samples/s" in out
     if "chart" in result["files"]:
         assert (tmp_path / "ruler.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_ruler_reports_prompts_over_their_budget(tokenizer, samples, tmp_path, capsys):
+    """RULER's own fwe script can leave fewer than max_new_tokens: such samples run, with a warning."""
+    from nanovllm.eval.ruler.run import run_ruler, save_samples
+
+    s = {**samples["fwe"][0], "max_new_tokens": LENGTH - samples["fwe"][0]["prompt_tokens"] + 1}
+    save_samples([s], tmp_path / "s.json.gz")
+    llm = FakeLLM(tokenizer, {tuple(Prompter(tokenizer, "chat").encode(s["prompt"])): " x"})
+    result = run_ruler(llm, [LENGTH], ["fwe"], 1, tmp_path, use_tqdm=False, samples_file=tmp_path / "s.json.gz")
+    assert len(result["records"]) == 1
+    assert "1 prompts leave fewer than max_new_tokens before their length: fwe@4096#0" in capsys.readouterr().err
 
 
 def test_run_ruler_refuses_lengths_over_max_model_len(tokenizer, tmp_path):
@@ -384,7 +397,9 @@ def test_cli_arguments():
         ("m", [4096, 8192], ["vt", "qa_1"], 3, "o", "base")
     assert engine_options(args) == {"device": "cpu", "max_model_len": 8448}
     defaults = build_parser().parse_args([])
-    assert (defaults.lengths, defaults.tasks, defaults.template, defaults.data_seed) == ([4096], ["all"], "chat", 42)
+    assert (defaults.lengths, defaults.tasks, defaults.template, defaults.data_seed, defaults.generator) == \
+        ([4096], ["all"], "chat", 42, "official")
+    assert build_parser().parse_args(["--generator", "ours"]).generator == "ours"
 
     top = argparse.ArgumentParser(prog="nanovllm")
     sub = top.add_subparsers(dest="command", required=True)

@@ -15,7 +15,7 @@ def test_ruler_end_to_end_smollm2(tmp_path):
     from nanovllm.models.fetch import fetch_model
 
     llm = LLM(str(fetch_model("smollm2-135m", progress=False)), max_model_len=4096 + 256, device="cpu")
-    result = run_ruler(llm, [4096], TASKS, 2, tmp_path, template="chat", use_tqdm=False)
+    result = run_ruler(llm, [4096], TASKS, 2, tmp_path, template="chat", use_tqdm=False, generator="ours")
 
     records = result["records"]
     assert [r["task"] for r in records] == [t for t in TASKS for _ in range(2)]
@@ -40,7 +40,7 @@ def test_saved_samples_and_hf_cross_check(tmp_path, smollm2_path):
 
     samples_file = tmp_path / "samples.json.gz"
     main(["--model", str(smollm2_path), "--lengths", "1024", "--tasks", "niah_single_1", "vt", "--samples", "1",
-          "--save-samples", str(samples_file)])
+          "--generator", "ours", "--save-samples", str(samples_file)])
     llm = LLM(str(smollm2_path), device="cpu", max_model_len=1024, kvcache_block_size=16)
     result = run_ruler(llm, [1024], ["niah_single_1", "vt"], 1, tmp_path / "out", samples_file=samples_file,
                        hf_check=True, use_tqdm=False)

@@ -53,8 +53,13 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
                                template, seed)
     prompter = Prompter(llm.tokenizer, template)
     token_ids = [prompter.encode(s["prompt"]) for s in samples]
+    over = []
     for s, ids in zip(samples, token_ids):
-        assert len(ids) == s["prompt_tokens"] and len(ids) + s["max_new_tokens"] <= s["length"], s["task"]
+        assert len(ids) == s["prompt_tokens"], s["task"]
+        if len(ids) + s["max_new_tokens"] > s["length"]:
+            over.append(f"{s['task']}@{s['length']}#{s['index']}")
+    if over:  # RULER's fwe script sizes its text against the whole length, leaving no room to generate
+        _log(f"{len(over)} prompts leave fewer than max_new_tokens before their length: {', '.join(over)}")
     params = [SamplingParams(temperature=0.0, max_tokens=s["max_new_tokens"]) for s in samples]
     generated = time.perf_counter()
     _log(f"{len(samples)} samples ({len(names)} tasks x {len(lengths)} lengths x {num_samples}) generated in "
