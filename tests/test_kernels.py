@@ -505,3 +505,73 @@ def test_decode_without_host_sync_and_in_cuda_graph(ops):
     want = paged_attention_reference(b.q, b.k_cache, b.v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
                                       meta.block_tables_tensor, 0.1)
     assert_matches((out, lse), want, dtype)
+
+
+def _per_head_selection(b: Batch, num_kv_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence and KV head a random subset of the blocks that precede its first query (the blocks
+    holding queries kept): tables [B, Hk, max_blocks] (-1 padded) and compacted lengths [B, Hk]."""
+    g = torch.Generator().manual_seed(seed)
+    bs = b.k_cache.shape[1]
+    tables, lens = [], []
+    for i, (n, s) in enumerate(zip(b.query_lens_list, b.seq_lens_list)):
+        blocks = b.block_tables[i, : -(-s // bs)].tolist()
+        first = (s - n) // bs
+        head_tables, head_lens = [], []
+        for _ in range(num_kv_heads):
+            keep = (torch.rand(len(blocks), generator=g) < 0.5).tolist()
+            kept = [x for c, x in enumerate(blocks) if keep[c] or c >= first]
+            head_tables.append(kept)
+            head_lens.append(s - (len(blocks) - len(kept)) * bs)
+        tables.append(head_tables)
+        lens.append(head_lens)
+    width = max(len(t) for ts in tables for t in ts)
+    padded = [[t + [-1] * (width - len(t)) for t in ts] for ts in tables]
+    return (torch.tensor(padded, dtype=torch.int64, device=DEVICE),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "history"])
+def test_prefill_kernel_with_per_head_tables(ops, causal):
+    """Block-sparse prefill: every KV head over its own compacted table (mixed chunks and whole prefills)."""
+    rng = random.Random(7)
+    query_lens, seq_lens = random_mixed_lens(rng, 5, 40, 150)
+    b = make_batch(query_lens, seq_lens, 2, 3, 32, 16, torch.float32, seed=5)
+    tables, lens = _per_head_selection(b, 2, seed=1)
+    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.2)
+    want = paged_attention_reference(*args, causal=causal)
+    assert_matches(ops.paged_prefill_attention(*args, causal=causal), want, torch.float32)
+    assert not torch.equal(want[0], paged_attention_reference(*b.args(0.2), causal=causal)[0])  # it is sparse
+
+
+def test_decode_kernel_with_per_head_tables(ops):
+    query_lens, seq_lens = [1] * 5, [150, 40, 97, 16, 129]
+    b = make_batch(query_lens, seq_lens, 2, 4, 32, 16, torch.float32, seed=6)
+    tables, lens = _per_head_selection(b, 2, seed=2)
+    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.3)
+    want = paged_attention_reference(*args)
+    for splits in (1, 3):
+        assert_matches(ops.paged_decode_attention(*args, num_splits=splits, block_n=16), want, torch.float32)
+    with pytest.raises(ValueError, match="per-head block tables need"):
+        ops.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens[:, :1], tables, 0.3)
+
+
+def test_triton_backend_with_per_head_metadata(ops):
+    """A block-sparse selection's metadata (build_head_metadata) through the triton backend equals the torch
+    backend: a mixed batch (decode rows to the decode kernel, chunks to the prefill kernel) and history."""
+    rng = random.Random(9)
+    query_lens, seq_lens = random_mixed_lens(rng, 5, 30, 120)
+    b = make_batch(query_lens, seq_lens, 2, 2, 32, 16, torch.float32, seed=8)
+    tables, lens = _per_head_selection(b, 2, seed=3)
+    head_tables = [[[x for x in t if x >= 0] for t in ts] for ts in tables.tolist()]
+    results = []
+    for name in ("torch", "triton"):
+        backend = get_attention_backend(name)
+        meta = backend.build_head_metadata(query_lens, lens.tolist(), head_tables, 16, DEVICE)
+        out = backend.forward(b.q, b.k_cache, b.v_cache, meta, 0.25)
+        partial = (torch.zeros(b.q.shape, device=DEVICE), torch.full(b.q.shape[:2], float("-inf"), device=DEVICE))
+        backend.history_attention(b.q, b.k_cache, b.v_cache, meta, 0.25, partial)
+        results.append((out, partial))
+    (want, want_history), (got, got_history) = results
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_history[0], want_history[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got_history[1], want_history[1], atol=2e-5, rtol=2e-5)

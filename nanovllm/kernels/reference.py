@@ -40,7 +40,11 @@ def paged_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every new token over its sequence's cached and new keys, computed in float32.
     causal=False: every new token sees all seq_lens[i] keys (history preceding the queries); rows of
-    sequences with seq_len 0 then get out 0 and lse -inf. host_kv: blocks some tables name in host memory."""
+    sequences with seq_len 0 then get out 0 and lse -inf. host_kv: blocks some tables name in host memory.
+    Per-KV-head selections: block_tables [B, Hk, max_blocks] and seq_lens [B, Hk], each KV head (with its
+    query heads) over its own blocks, the dropped ones preceding the queries."""
+    if block_tables.dim() == 3:
+        return _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale, causal)
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     starts = cu_query_lens.tolist()
@@ -53,6 +57,18 @@ def paged_attention_reference(
         out_i, lse_i = _sequence_attention(q[start:end].float(), keys, values, scale, causal)
         out[start:end] = out_i.to(q.dtype)
         lse[start:end] = lse_i
+    return out, lse
+
+
+def _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale, causal):
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    group = q.shape[1] // k_cache.shape[2]
+    for head in range(k_cache.shape[2]):
+        rows = slice(head * group, (head + 1) * group)
+        out[:, rows], lse[:, rows] = paged_attention_reference(
+            q[:, rows], k_cache[:, :, head : head + 1], v_cache[:, :, head : head + 1], cu_query_lens,
+            seq_lens[:, head], block_tables[:, head], scale, causal)
     return out, lse
 
 

@@ -141,14 +141,15 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, seq_ids_ptr, qk_scale,
     num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, host_k_delta, host_v_delta,
-    host_base,
+    host_base, stride_bh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
     """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
     DIRECT (one split): write the result at the token's row of out/lse (ACCUMULATE: merged by LSE with
-    what the row holds), else partials at [i, head, split]."""
+    what the row holds), else partials at [i, head, split]. PER_HEAD: each KV head has its own block
+    table row and KV length (tables [B, Hk, max_blocks], seq_lens [B, Hk]: block-sparse selections)."""
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -157,7 +158,10 @@ def _decode_kernel(
     else:
         seq = i
     row = tl.load(cu_ptr + seq).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    if PER_HEAD:
+        seq_len = tl.load(seq_lens_ptr + seq * tl.num_programs(1) + kv_head)  # seq_lens [B, Hk], contiguous
+    else:
+        seq_len = tl.load(seq_lens_ptr + seq)
 
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.cdiv(num_tiles, num_splits)
@@ -179,6 +183,8 @@ def _decode_kernel(
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     table = tables_ptr + seq.to(tl.int64) * stride_bt
+    if PER_HEAD:
+        table += kv_head * stride_bh
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, lo, tl.minimum(hi, full_tiles), qk_scale,
         stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
@@ -243,18 +249,23 @@ def _merge_splits_kernel(
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, schedule_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_bh, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
+    """PER_HEAD: each KV head has its own block table row and KV length (tables [B, Hk, max_blocks],
+    seq_lens [B, Hk]): attention over a block-sparse selection, the dropped blocks preceding the queries."""
     head = tl.program_id(0)
     work = tl.program_id(1)
     seq = tl.load(schedule_ptr + 2 * work)
     q_tile = tl.load(schedule_ptr + 2 * work + 1)
     q_start = tl.load(cu_ptr + seq)
     q_len = tl.load(cu_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
+    if PER_HEAD:
+        seq_len = tl.load(seq_lens_ptr + seq * num_kv_heads + head // GROUP)
+    else:
+        seq_len = tl.load(seq_lens_ptr + seq)
     if CAUSAL:
         first_pos = seq_len - q_len + q_tile * BLOCK_M  # position of the tile's first query row
     else:  # the keys are history preceding every query: all visible
@@ -278,6 +289,8 @@ def _prefill_kernel(
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     table = tables_ptr + seq.to(tl.int64) * stride_bt
+    if PER_HEAD:
+        table += kv_head * stride_bh
     full_tiles = (first_pos + 1) // BLOCK_N  # every key of these tiles is <= first_pos
     all_tiles = tl.cdiv(tl.minimum(first_pos + BLOCK_M, seq_len), BLOCK_N)
     acc, m_i, l_i = _attend_tiles(
@@ -379,10 +392,11 @@ def paged_decode_attention(
     host_args = _host_kv_args(host_kv, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
+    per_head = _check_per_head(block_tables, seq_lens, num_kv_heads)
     num_programs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     block_n = block_n or decode_tile_size(q.dtype, head_dim, block_size)
     if num_splits is None:
-        bound = max_seq_len or block_tables.shape[1] * block_size
+        bound = max_seq_len or block_tables.shape[-1] * block_size
         num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} is outside 1..{MAX_SPLITS}")
@@ -403,10 +417,11 @@ def paged_decode_attention(
         q, k_cache, v_cache, part_out, part_lse, cu_query_lens, seq_lens, block_tables, ids, scale * _LOG2E,
         num_splits, q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        *_cache_strides(k_cache, v_cache), block_tables.stride(0), *host_args,
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0), *host_args, block_tables.stride(1) if per_head else 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
-        ACCUMULATE=accumulate, HOST_KV=host_kv is not None, num_warps=num_warps, num_stages=num_stages,
+        ACCUMULATE=accumulate, HOST_KV=host_kv is not None, PER_HEAD=per_head, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
@@ -417,6 +432,17 @@ def paged_decode_attention(
             ACCUMULATE=accumulate, num_warps=4,
         )
     return out, lse
+
+
+def _check_per_head(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int) -> bool:
+    """True for per-KV-head tables [B, Hk, max_blocks] with lengths [B, Hk] (a block-sparse selection)."""
+    if block_tables.dim() == 2 and seq_lens.dim() == 1:
+        return False
+    if block_tables.dim() != 3 or seq_lens.dim() != 2 or block_tables.shape[1] != num_kv_heads \
+            or seq_lens.shape[1] != num_kv_heads or not seq_lens.is_contiguous():
+        raise ValueError(f"per-head block tables need tables [B, {num_kv_heads}, blocks] and contiguous seq_lens "
+                         f"[B, {num_kv_heads}]; got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    return True
 
 
 def _host_kv_args(host_kv: HostKV | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -507,12 +533,14 @@ def paged_prefill_attention(
     _check(q, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
+    per_head = _check_per_head(block_tables, seq_lens, num_kv_heads)
     config = config or prefill_config(q.dtype, head_dim, block_size)
     if block_size % config.block_n:
         raise ValueError(f"block_n={config.block_n} must divide block_size={block_size}")
     if schedule is None:
         query_lens = torch.diff(cu_query_lens).tolist()
-        schedule = build_prefill_schedule(query_lens, config.block_m, q.device, seq_lens.tolist())
+        longest = (seq_lens.amax(1) if per_head else seq_lens).tolist()
+        schedule = build_prefill_schedule(query_lens, config.block_m, q.device, longest)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out, the partial result to merge into")
     out, lse = out or _new_outputs(q)
@@ -521,9 +549,11 @@ def paged_prefill_attention(
     _prefill_kernel[(num_heads, schedule.shape[0])](
         q, k_cache, v_cache, out, lse, cu_query_lens, seq_lens, block_tables, schedule, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0), block_tables.stride(1) if per_head else 0,
+        num_kv_heads,
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, ACCUMULATE=accumulate,
+        PER_HEAD=per_head,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -65,6 +65,22 @@ class AttentionBackend(ABC):
             block_size=block_size,
         )
 
+    def build_head_metadata(self, query_lens: list[int], head_seq_lens: list[list[int]],
+                            head_tables: list[list[list[int]]], block_size: int, device: torch.device) -> AttentionMetadata:
+        """Metadata of a block-sparse selection: per sequence and KV head its own blocks and KV length
+        (tables [B, Hk, max_blocks], seq_lens [B, Hk]); no KV is written with it."""
+        max_blocks = max(1, max(len(t) for tables in head_tables for t in tables))
+        padded = [[t + [-1] * (max_blocks - len(t)) for t in tables] for tables in head_tables]
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        return AttentionMetadata(
+            query_lens=query_lens, seq_lens=[max(lens) for lens in head_seq_lens], block_tables=head_tables,
+            slot_mapping=_to_device([], torch.int64, device), cu_query_lens=_to_device(cu, torch.int32, device),
+            seq_lens_tensor=_to_device(head_seq_lens, torch.int32, device),
+            block_tables_tensor=_to_device(padded, torch.int64, device), block_size=block_size,
+        )
+
     @abstractmethod
     def forward(
         self,
@@ -156,6 +172,8 @@ class TorchPagedAttention(AttentionBackend):
         out[1][rows] = merged_lse
 
     def forward(self, q, k_cache, v_cache, meta, scale, host_kv=None):
+        if meta.seq_lens_tensor.dim() == 2:  # per-KV-head selection: the float32 reference
+            return self.forward_with_lse(q, k_cache, v_cache, meta, scale)[0]
         host_k, host_v, base = host_kv or (None, None, None)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]

@@ -50,15 +50,9 @@ class DeviceKV(KVAccess):
         selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
-        out = torch.empty_like(q)
-        groups = query_groups(batch, selection)
-        for head in range(k_cache.shape[2]):
-            rows = head_rows(q, k_cache.shape[2], head)
-            meta = group_metadata(self.backend, groups, head, lambda g, c: batch.block_tables[g.seq][c],
-                                  self.meta.block_size, q.device)
-            out[:, rows] = self.backend.forward(q[:, rows].contiguous(), k_cache[:, :, head : head + 1],
-                                                v_cache[:, :, head : head + 1], meta, scale)
-        return out
+        meta = group_metadata(self.backend, query_groups(batch, selection), k_cache.shape[2],
+                              lambda g, c: batch.block_tables[g.seq][c], self.meta.block_size, q.device)
+        return self.backend.forward(q, k_cache, v_cache, meta, scale)
 
 
 def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int,
@@ -72,12 +66,6 @@ def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_h
     if batch.stats is not None:
         batch.stats.add(batch, selection, num_kv_heads)
     return selection
-
-
-def head_rows(q: torch.Tensor, num_kv_heads: int, head: int) -> slice:
-    """The query heads of KV head `head` (grouped-query attention)."""
-    group = q.shape[1] // num_kv_heads
-    return slice(head * group, (head + 1) * group)
 
 
 @dataclass
@@ -109,16 +97,20 @@ def query_groups(batch: SelectionInput, selection: Selection) -> list[QueryGroup
     return groups
 
 
-def group_metadata(backend: AttentionBackend, groups: list[QueryGroup], head: int,
+def group_metadata(backend: AttentionBackend, groups: list[QueryGroup], num_kv_heads: int,
                    block_of: Callable[[QueryGroup, int], int | None], block_size: int, device: torch.device,
                    causal: bool = True) -> AttentionMetadata:
-    """Metadata for KV head `head`, one "sequence" per group, over the blocks it attends that block_of
+    """Per-KV-head metadata, one "sequence" per group, over the blocks each head attends that block_of
     names in the pool at hand (None: not in that pool). causal: dropped blocks are full and precede the
     group's queries, so compacting them away keeps the mask right; else the kept blocks are history."""
     query_lens, seq_lens, tables = [], [], []
     for g in groups:
-        kept = [x for c, keep in enumerate(g.mask[head]) if keep and (x := block_of(g, c)) is not None]
         query_lens.append(g.count)
-        tables.append(kept)
-        seq_lens.append(g.end - (len(g.mask[head]) - len(kept)) * block_size if causal else len(kept) * block_size)
-    return backend.build_metadata(query_lens, seq_lens, tables, [], block_size, device)
+        head_tables, head_lens = [], []
+        for mask in g.mask[:num_kv_heads]:
+            kept = [x for c, keep in enumerate(mask) if keep and (x := block_of(g, c)) is not None]
+            head_tables.append(kept)
+            head_lens.append(g.end - (len(mask) - len(kept)) * block_size if causal else len(kept) * block_size)
+        tables.append(head_tables)
+        seq_lens.append(head_lens)
+    return backend.build_head_metadata(query_lens, seq_lens, tables, block_size, device)

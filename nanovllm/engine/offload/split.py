@@ -29,7 +29,7 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, consecutive_runs
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import BlockSelector, SelectionInput, SparseStats
-from nanovllm.layers.kv_access import KVAccess, QueryGroup, group_metadata, head_rows, query_groups, select_blocks
+from nanovllm.layers.kv_access import KVAccess, QueryGroup, group_metadata, query_groups, select_blocks
 
 
 @dataclass
@@ -261,11 +261,8 @@ class SplitKV(_OffloadKV):
         def on_device(g: QueryGroup, c: int) -> int | None:
             return None if self.on_host[g.seq][c] else self.block_tables[g.seq][c]
 
-        for head in range(num_kv_heads):
-            rows = head_rows(q, num_kv_heads, head)
-            meta = group_metadata(self.backend, groups, head, on_device, bs, q.device)
-            self.backend.forward_with_lse(q[:, rows].contiguous(), k_cache[:, :, head : head + 1],
-                                          v_cache[:, :, head : head + 1], meta, scale, out=(out[:, rows], lse[:, rows]))
+        meta = group_metadata(self.backend, groups, num_kv_heads, on_device, bs, q.device)
+        self.backend.forward_with_lse(q, k_cache, v_cache, meta, scale, out=(out, lse))
         for runs, _ in pack(wanted, self.pool.ring_blocks):
             self._fill(layer, 0, runs, -1)
             self._wait_copied(-1)
@@ -274,11 +271,7 @@ class SplitKV(_OffloadKV):
             def in_ring(g: QueryGroup, c: int) -> int | None:
                 return where.get(self.block_tables[g.seq][c]) if self.on_host[g.seq][c] else None
 
-            for head in range(num_kv_heads):
-                rows = head_rows(q, num_kv_heads, head)
-                meta = group_metadata(self.backend, groups, head, in_ring, bs, q.device, causal=False)
-                self.backend.history_attention(q[:, rows].contiguous(), self.pool.ring[0, 0][:, :, head : head + 1],
-                                               self.pool.ring[1, 0][:, :, head : head + 1], meta, scale,
-                                               (out[:, rows], lse[:, rows]))
+            meta = group_metadata(self.backend, groups, num_kv_heads, in_ring, bs, q.device, causal=False)
+            self.backend.history_attention(q, self.pool.ring[0, 0], self.pool.ring[1, 0], meta, scale, (out, lse))
             self._free_slot(0)
         return out.to(q.dtype)
