@@ -72,6 +72,8 @@ def test_generation_needs_the_api_key(server, headers):
 
 
 def test_health_and_metrics_are_open_and_models_need_the_key(server, greedy_text):
+    lowercase = {**AUTH, "Authorization": f"bearer {KEY}"}  # the scheme is case-insensitive
+    assert post(server, "/v1/completions", GREEDY, headers=lowercase).json()["choices"][0]["text"] == greedy_text
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert "nanovllm_requests_running" in httpx.get(f"{server.url}/metrics").text
     models = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]

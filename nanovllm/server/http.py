@@ -29,7 +29,7 @@ class APIKeyMiddleware:
         if not api_key:
             raise ValueError("the API key must not be empty")
         self.app = app
-        self.expected = b"Bearer " + api_key.encode("utf-8")
+        self.expected = api_key.encode("utf-8")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
@@ -41,8 +41,9 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
-        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
 
 def is_json_content_type(value: str | None) -> bool:
