@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 
 
 class InvalidType(TypeError):
@@ -32,11 +33,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def integer(name: str, value: Any, low: int, high: int = INT64_MAX) -> int:
+def integer(name: str, value: Any, low: int = INT64_MIN, high: int = INT64_MAX) -> int:
     if not is_int(value):
         raise InvalidType(name, f"must be an integer, got {type_name(value)}")
     if not low <= value <= high:
-        raise InvalidValue(name, f"must be an integer in [{low}, {_bound(high)}], got {_short(value)}")
+        raise InvalidValue(name, f"must be an integer in [{_bound(low)}, {_bound(high)}], got {_short(value)}")
     return int(value)
 
 
@@ -44,7 +45,7 @@ def optional_integer(name: str, value: Any, low: int, high: int = INT64_MAX) -> 
     return None if value is None else integer(name, value, low, high)
 
 
-def number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> float:
+def number(name: str, value: Any, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
     """A finite float from an int or float; [low, high], or (low, high] with low_open."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidType(name, f"must be a number, got {type_name(value)}")
@@ -55,9 +56,9 @@ def number(name: str, value: Any, low: float, high: float = math.inf, low_open: 
     if not math.isfinite(result):
         raise InvalidValue(name, f"must be a finite number, got {_short(value)}")
     if result < low or (low_open and result == low) or result > high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high != math.inf else \
+        interval = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high != math.inf else \
             f"{'>' if low_open else '>='} {low:g}"
-        raise InvalidValue(name, f"must be {'in ' if high != math.inf else ''}{interval}, got {result!r}")
+        raise InvalidValue(name, f"must be {interval}, got {result!r}")
     return result
 
 
@@ -129,8 +130,8 @@ def prompts(value: Any) -> list[str | list[int]]:
     return [prompt(p, f"prompts[{i}]") for i, p in enumerate(value)]
 
 
-def _bound(high: int) -> str:
-    return "2**63 - 1" if high == INT64_MAX else str(high)
+def _bound(limit: int) -> str:
+    return {INT64_MAX: "2**63 - 1", INT64_MIN: "-2**63"}.get(limit, str(limit))
 
 
 def _short(value: int | float) -> str:

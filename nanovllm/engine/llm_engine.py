@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm import validation
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm import validation
 from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.scheduler import Scheduler
