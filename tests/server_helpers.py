@@ -25,7 +25,8 @@ class ServerProcess:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "nanovllm.cli", "serve", str(model), "--port", str(self.port),
                "--served-model-name", "smollm2", "--log-level", "warning", *SMALL_ENGINE, *args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k != "NANOVLLM_API_KEY"}  # no key unless asked for
+        env = {**inherited, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         self.wait_healthy()
 

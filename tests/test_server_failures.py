@@ -4,6 +4,7 @@ one `nanovllm serve` subprocess whose device always fails."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -101,7 +102,7 @@ def test_serve_exits_with_status_1_when_the_engine_breaks(tiny_llama, tmp_path):
     log = tmp_path / "server.log"
     proc = subprocess.Popen([sys.executable, "-c", script, "serve", str(tiny_llama), "--port", str(port), "--device",
                              "cpu", "--log-level", "warning", *SMALL_ENGINE], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "NANOVLLM_API_KEY"})
     try:
         from nanovllm.serving_bench import wait_healthy
 
