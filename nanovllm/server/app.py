@@ -123,6 +123,7 @@ class OpenAIServer:
     async def _generate(self, request: Request, chat: bool) -> Response:
         rid = p.new_id(chat)
         try:
+            self._check_available()  # before reading and tokenizing a request that would be refused
             raw = await read_json_body(request, self.options.max_request_body_bytes, self.options.timeout_request_read)
             prepared = await self.preprocessor.prepare(raw, chat)
             del raw  # a large body is not kept while the request runs
@@ -144,6 +145,12 @@ class OpenAIServer:
         usage = p.usage(len(out.prompt_token_ids), len(out.token_ids))
         make = p.chat_body if chat else p.completion_body
         return JSONResponse(make(rid, parsed.model, out.text, out.finish_reason, usage, p.now()))
+
+    def _check_available(self) -> None:
+        try:
+            self.engine.check_available()
+        except EngineUnavailable as e:
+            raise p.APIError(503, str(e), None, e.reason, "server_error") from None
 
     async def _admit(self, token_ids: list[int], params, rid: str, prompt_field: str) -> RequestStream:
         try:

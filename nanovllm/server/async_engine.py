@@ -142,8 +142,8 @@ class AsyncEngine:
         self._thread.join(timeout)
         self._outputs.stop(timeout)
 
-    async def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        """Queue a request; raises ValueError/TypeError (refused by the engine) or EngineUnavailable."""
+    def check_available(self) -> None:
+        """Raise EngineUnavailable if a request would be refused now (also checked by add_request)."""
         if self.error is not None:
             raise EngineUnavailable(f"the engine failed: {self.error!r}", "engine_error")
         if self.draining:
@@ -151,6 +151,10 @@ class AsyncEngine:
         if self.pending >= self.max_pending_requests:
             raise EngineUnavailable(f"the server is at its limit of max_pending_requests={self.max_pending_requests} "
                                     "requests in flight; retry later")
+
+    async def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Queue a request; raises ValueError/TypeError (refused by the engine) or EngineUnavailable."""
+        self.check_available()
         self.pending += 1
         self.metrics.set_pending(self.pending)
         loop = asyncio.get_running_loop()
