@@ -55,13 +55,18 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from nanovllm import LLM
-    from nanovllm.server.app import serve
+    from nanovllm.server.app import ServerOptions, api_key_from, serve
 
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    for flag in ("max_request_body_bytes", "timeout_keep_alive", "timeout_request_read"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    options = ServerOptions(args.served_model_name, args.max_pending_requests, api_key_from(args.api_key),
+                            tuple(args.allowed_origins or ()), args.max_request_body_bytes, args.timeout_keep_alive,
+                            args.timeout_request_read)
     llm = LLM(args.model, **engine_options(args))
-    serve(llm, args.host, args.port, args.served_model_name, args.max_pending_requests, args.log_level,
-          args.shutdown_timeout)
+    serve(llm, args.host, args.port, options, args.log_level, args.shutdown_timeout)
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -83,7 +88,22 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-pending-requests", type=int, default=256,
                        help="most requests in flight (running + waiting); one more gets 503 (default: 256)")
     serve.add_argument("--shutdown-timeout", type=float, default=None,
-                       help="seconds to let requests in flight finish after SIGTERM (default: no limit)")
+                       help="seconds to let requests in flight finish after SIGTERM; a second SIGTERM exits at "
+                            "once (default: no limit)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                            "(default: $NANOVLLM_API_KEY, else no key; prefer the variable: arguments are visible to "
+                            "other local users)")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="origins (e.g. https://app.example.com, or *) whose web pages may call the API (CORS) "
+                            "(default: none)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
+                       help="larger request bodies get 413 (default: 33554432, 32 MiB)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open (default: 5)")
+    serve.add_argument("--timeout-request-read", type=float, default=30.0,
+                       help="seconds within which a request's line and headers, and then its body, must arrive; "
+                            "slower clients are disconnected, or get 408 for the body (default: 30)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level (default: info)")
     add_engine_options(serve)

@@ -1,10 +1,15 @@
-"""The offline entry point: LLM(...).generate(...) and .chat(...), as in vLLM."""
+"""The offline entry point: LLM(...).generate(...) and .chat(...), as in vLLM.
+
+generate() and chat() may be called from several threads: calls run one after another (a lock).
+"""
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
+from nanovllm import validation
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -14,27 +19,36 @@ Message = dict[str, str]
 
 
 class LLM(LLMEngine):
+    def __init__(self, model: str | None = None, **options):
+        super().__init__(model, **options)
+        self._generate_lock = threading.Lock()
+
     def generate(
         self,
         prompts: Prompt | SequenceABC[Prompt],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for all prompts as one continuously batched workload; outputs keep prompt order."""
-        prompts = _as_prompt_list(prompts)
+        """Generate for all prompts as one continuously batched workload; outputs keep prompt order.
+
+        prompts: a str, a list of int token ids, or a list/tuple of those (anything else: TypeError).
+        A request whose prompt + max_tokens exceeds max_model_len runs and stops at max_model_len with
+        finish_reason "length" (as vLLM's offline LLM does; the server refuses it instead)."""
+        prompts = validation.prompts(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         token_ids = [self.tokenize(p) for p in prompts]
         for ids, sp in zip(token_ids, params):
             self.check_request(ids, sp)  # refuse a bad batch before any of it runs
-        request_ids = [self.add_request(ids, sp) for ids, sp in zip(token_ids, params)]
-        for rid, prompt in zip(request_ids, prompts):
-            if isinstance(prompt, str):
-                self.requests[rid].seq.prompt = prompt
-        try:
-            finished = self._run_to_completion(set(request_ids), use_tqdm)
-        finally:
-            for rid in request_ids:
-                self.abort_request(rid)  # no-op for finished ones; cleans up after an interrupt
+        with self._generate_lock:
+            request_ids = [self.add_request(ids, sp) for ids, sp in zip(token_ids, params)]
+            for rid, prompt in zip(request_ids, prompts):
+                if isinstance(prompt, str):
+                    self.requests[rid].seq.prompt = prompt
+            try:
+                finished = self._run_to_completion(set(request_ids), use_tqdm)
+            finally:
+                for rid in request_ids:
+                    self.abort_request(rid)  # no-op for finished ones; cleans up after an interrupt
         return [finished[rid] for rid in request_ids]
 
     def _run_to_completion(self, request_ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
@@ -66,21 +80,14 @@ class LLM(LLMEngine):
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
-    return prompts
-
-
 def _as_params_list(params, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError("sampling_params must be None, a SamplingParams or a list/tuple of SamplingParams, "
+                        f"got {type(params).__name__}")
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
-    return params
+    return list(params)

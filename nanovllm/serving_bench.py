@@ -87,7 +87,7 @@ async def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: i
 
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=auth_headers()) as client:
         tasks, start = [], time.perf_counter()
         for prompt, n in zip(prompts, out_lens):
             tasks.append(asyncio.create_task(one_request(client, url, model, prompt, n)))
@@ -166,10 +166,16 @@ def offline_throughput(model: str | None, engine_options: dict, prompts, out_len
     return {"output_tokens": tokens, "duration_s": seconds, "output_throughput_tok_s": tokens / seconds}
 
 
+def auth_headers() -> dict[str, str]:
+    """The server's API key from $NANOVLLM_API_KEY (which a server started here reads too), if set."""
+    key = os.environ.get("NANOVLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def server_model(url: str) -> tuple[str, int]:
     import httpx
 
-    card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    card = httpx.get(f"{url}/v1/models", timeout=10, headers=auth_headers()).json()["data"][0]
     return card["id"], card["max_model_len"]
 
 
@@ -254,6 +260,9 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
     try:
         wait_healthy(url, proc)
         model, max_model_len = server_model(url)
+        if args.input_len + args.output_len > max_model_len:  # the server would refuse every request
+            raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the server's "
+                             f"max_model_len={max_model_len}")
         vocab = args.vocab_size or vocab_size(args.model if proc is not None else model)
         prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.workload_seed)
         asyncio.run(run_rate(url, model, prompts[:2], [4, 4], math.inf))  # warm-up

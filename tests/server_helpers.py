@@ -19,13 +19,14 @@ SMALL_ENGINE = ["--dtype", "float32", "--kvcache-block-size", "16", "--max-model
 
 
 class ServerProcess:
-    def __init__(self, model: Path, args: list[str], log_path: Path):
+    def __init__(self, model: Path, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "nanovllm.cli", "serve", str(model), "--port", str(self.port),
                "--served-model-name", "smollm2", "--log-level", "warning", *SMALL_ENGINE, *args]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        inherited = {k: v for k, v in os.environ.items() if k != "NANOVLLM_API_KEY"}  # no key unless asked for
+        env = {**inherited, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         self.wait_healthy()
 
@@ -48,6 +49,11 @@ class ServerProcess:
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.2)
+
+    def rss_mib(self) -> float:
+        """The server process's resident memory."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
 
     def stop(self) -> int:
         if self.proc.poll() is None:

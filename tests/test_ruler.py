@@ -428,3 +428,17 @@ def test_first_samples_of_a_samples_file():
     samples = [{"task": t, "length": n, "i": i} for i in range(3) for t in ("vt", "cwe") for n in (4096, 8192)]
     kept = first_samples(samples, ["vt"], [4096, 8192], 2)
     assert [(s["length"], s["i"]) for s in kept] == [(4096, 0), (8192, 0), (4096, 1), (8192, 1)]
+
+
+def test_samples_file_without_the_requested_lengths_is_refused_before_loading(tokenizer, tmp_path, capsys):
+    from nanovllm.eval.ruler.run import main, run_ruler, save_samples
+
+    path = tmp_path / "samples.json.gz"
+    save_samples([{"task": t, "length": n} for t in ("vt", "cwe") for n in (32768, 16384)], path)
+    with pytest.raises(SystemExit) as e:
+        main(["--samples-file", str(path), "--model", "/nonexistent"])  # default --lengths 4096 --tasks all
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no sample in" in err and "--lengths 4096" in err
+    assert "the file holds lengths 16384 32768 and tasks vt cwe" in err
+    with pytest.raises(ValueError, match="holds lengths 16384 32768 and tasks vt cwe"):
+        run_ruler(FakeLLM(tokenizer, {}), [4096], ["qa_1"], 1, tmp_path, samples_file=path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
+import time
 
 import pytest
 
@@ -176,6 +178,40 @@ def test_non_streaming_disconnect_aborts(server):
     aborted = 'nanovllm_requests_finished_total{finish_reason="abort"}'
     assert after[aborted] == before[aborted] + 1 and after['nanovllm_kv_blocks_used{pool="gpu"}'] == 0
     assert after["nanovllm_generation_tokens_total"] - before["nanovllm_generation_tokens_total"] < 200
+    log = server.log_path.read_text()
+    assert "InvalidStateError" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_huge_prompt_delays_only_itself_and_its_memory_is_returned(server):
+    """Tokenizing 3 MB of text takes seconds, in a preprocessing thread: a stream in flight keeps getting tokens,
+    and the server's memory afterwards is what it was (glibc's malloc_trim after a large body)."""
+    rss_before = server.rss_mib()
+    chunk_times: list[float] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                chunk_times.append(time.monotonic())
+                if done.is_set():
+                    break  # hanging up aborts the rest
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while len(chunk_times) < 3:
+        time.sleep(0.05)
+    started = time.monotonic()
+    huge = post(server, "/v1/completions", {"prompt": "hello world, this is a test. " * 100_000, "max_tokens": 1})
+    took = time.monotonic() - started
+    done.set()
+    reader.join(timeout=120)
+    assert huge.status_code == 400 and "max_model_len=256" in huge.json()["error"]["message"]
+    during = [t for t in chunk_times if started <= t <= started + took]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) >= 3 and max(gaps) < 0.5 * took, (took, gaps)
+    server.wait_idle()
+    assert server.rss_mib() - rss_before < 100, (rss_before, server.rss_mib())
 
 
 def test_overload_gets_503_with_an_error_body(server):

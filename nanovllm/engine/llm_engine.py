@@ -7,6 +7,9 @@ processes the previous step's tokens while the device works: sampled tokens feed
 the device, and each sampling sequence carries a PLACEHOLDER until its token reaches the host. A
 sequence that stops (EOS, stop string) has then already been scheduled once more; that token is
 dropped. Steps with a request that wants logprobs or prompt logprobs run synchronously.
+
+A step that raises fails only its batch: the requests holding KV or a token in flight are aborted and
+`StepFailed` names them; waiting requests go on with the next step.
 """
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanovllm import validation
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
@@ -36,13 +40,21 @@ class EngineStats:
     num_preemptions: int
 
 
+class StepFailed(RuntimeError):
+    """step() raised; the requests of its batch were aborted (request_ids) and the engine can go on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"a step failed with {cause!r}; its {len(request_ids)} request(s) were aborted")
+        self.request_ids = request_ids
+
+
 @dataclass
 class _Request:
     request_id: str
     seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
+    text: OutputText | None  # None: no tokenizer, or the caller detokenizes (the server does, in its own thread)
     prompt_token_ids: list[int]  # one list shared by every output of the request
-    stop_text_end: int | None = None  # where a matched stop string begins in the output text
+    stop_token_ids: frozenset[int]
 
 
 class LLMEngine:
@@ -66,22 +78,28 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (a str, or token ids); TypeError for any other type. Thread-safe."""
+        prompt = validation.prompt(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
             return self.tokenizer(prompt).input_ids
-        if not isinstance(prompt, (list, tuple)) or any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
+        return prompt
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse, with the numbers, any request that could never complete."""
+        """Refuse, with the numbers, any request that could never complete or could fail a step."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()  # again: fields may have been changed since construction
         n, limit = len(token_ids), self.config.max_model_len
         vocab = self.config.hf_config["vocab_size"]
         if n == 0:
             raise ValueError("prompt is empty: at least one token is required")
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocab_size)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name}={getattr(params, name)} exceeds the model's vocab_size={vocab}")
         if n + 1 > limit:
             raise ValueError(f"prompt has {n} tokens; with one generated token that exceeds max_model_len={limit}")
         kv_tokens = min(n + params.max_tokens, limit) - 1
@@ -94,16 +112,18 @@ class LLMEngine:
                              f"{bm.block_size}) but the whole pool has {pools}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        params = params or SamplingParams()
+                    request_id: str | None = None, detokenize: bool = True) -> str:
+        """Queue a request; returns its id. detokenize=False: outputs carry token ids only (text "") and
+        stop strings are not checked; the caller turns tokens into text (the server, off this thread)."""
+        params = SamplingParams() if params is None else params
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(token_ids, params, self.config.kvcache_block_size, prompt if isinstance(prompt, str) else None)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer is not None else None
-        req = _Request(request_id, seq, detok, list(token_ids))
+        text = OutputText(self.tokenizer, token_ids, params.stop) if self.tokenizer is not None and detokenize else None
+        req = _Request(request_id, seq, text, list(token_ids), frozenset(params.stop_token_ids))
         self.requests[request_id] = req
         self._by_seq_id[seq.seq_id] = req
         self.scheduler.add(seq)
@@ -132,7 +152,26 @@ class LLMEngine:
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
         """step(); final_only returns only finished requests (offline generate), which saves building
-        an output per running request per step."""
+        an output per running request per step. Raises StepFailed after aborting a failed step's batch."""
+        try:
+            return self._run_step(final_only)
+        except Exception as e:
+            raise StepFailed(self._abort_failed_batch(), e) from e
+
+    def _abort_failed_batch(self) -> list[str]:
+        """Abort the requests a failed step may have left half-done: those holding KV blocks (the batch)
+        and those with a token in flight; returns their ids. The KV bookkeeping must then be whole."""
+        seqs = list(self.scheduler.running)
+        if self._pending is not None:
+            seqs += self._pending[0].seqs
+            self._pending = None
+        failed = list(dict.fromkeys(self._by_seq_id[s.seq_id].request_id for s in seqs if s.seq_id in self._by_seq_id))
+        for request_id in failed:
+            self.abort_request(request_id)
+        self.block_manager.check_invariants([req.seq for req in self.requests.values()])
+        return failed
+
+    def _run_step(self, final_only: bool) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self._pending is not None:
@@ -188,8 +227,8 @@ class LLMEngine:
         seq = req.seq
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        if req.detokenizer is not None:
-            seq.output_text += req.detokenizer.add(token)
+        if req.text is not None:
+            req.text.add(token)
         reason = self._stop_reason(req, token, num_tokens or len(seq))
         if reason:
             del seq.token_ids[num_tokens or len(seq):]  # a placeholder launched after it (async)
@@ -204,30 +243,19 @@ class LLMEngine:
         params = req.seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if token in params.stop_token_ids:
+        if token in req.stop_token_ids:
             return "stop"
-        if params.stop and self._match_stop_string(req):
+        if params.stop and req.text is not None and req.text.match_stop():
             return "stop"
         if num_tokens - req.seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
-    def _match_stop_string(self, req: _Request) -> bool:
-        text = req.seq.output_text
-        for stop in req.seq.params.stop:
-            pos = text.find(stop)
-            if pos != -1:
-                req.stop_text_end = pos if req.stop_text_end is None else min(pos, req.stop_text_end)
-        if req.stop_text_end is not None:
-            req.seq.output_text = text[: req.stop_text_end]
-            return True
-        return False
-
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        text = seq.output_text
-        if seq.is_finished and req.stop_text_end is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        text = ""
+        if req.text is not None:
+            text = req.text.final(seq.output_token_ids) if seq.is_finished else req.text.text
         metrics = RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
                                  seq.finish_time, seq.num_cached_tokens, seq.num_preemptions,
                                  seq.density(seq.prefill_blocks), seq.density(seq.decode_blocks), seq.host_kv_bytes_read)

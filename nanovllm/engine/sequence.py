@@ -32,7 +32,6 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.finish_reason: str | None = None
-        self.output_text = ""
         self.logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = [None]  # the first token has no context
         self.num_preemptions = 0

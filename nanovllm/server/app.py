@@ -1,22 +1,28 @@
 """The OpenAI-compatible HTTP front end (Starlette on uvicorn) over one AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streaming), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). SIGTERM/SIGINT: new requests get 503 while the requests in
-flight finish, then the engine thread stops and the process exits.
+GET /health, GET /metrics (Prometheus text). With an API key, every route but /health and /metrics needs
+it; CORS only for --allowed-origins. SIGTERM/SIGINT: new requests get 503 while the requests in flight
+finish, then the engine thread stops and the process exits; a second signal exits at once. If the engine
+breaks, /health says so and the process exits with status 1, for a supervisor to restart it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -24,10 +30,25 @@ from starlette.routing import Route
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
-from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
+from nanovllm.server.http import APIKeyMiddleware, read_json_body, with_header_timeout
 from nanovllm.server.metrics import ServerMetrics
+from nanovllm.server.preprocess import Preprocessor, refusal
 
 log = logging.getLogger("nanovllm.server")
+
+API_KEY_ENV = "NANOVLLM_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    served_model_name: str | None = None  # default: the model directory's name
+    max_pending_requests: int = 256
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS; none by default
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    timeout_keep_alive: float = 5.0  # an idle keep-alive connection is closed after this
+    timeout_request_read: float = 30.0  # request line + headers, then the body, must each arrive within this
 
 
 def error_response(e: p.APIError) -> JSONResponse:
@@ -36,12 +57,19 @@ def error_response(e: p.APIError) -> JSONResponse:
 
 
 class OpenAIServer:
-    def __init__(self, llm: LLM, served_model_name: str | None = None, max_pending_requests: int = 256):
+    def __init__(self, llm: LLM, options: ServerOptions = ServerOptions()):
         self.llm = llm
-        self.model_name = served_model_name or Path(llm.config.model).name
-        self.served_names = (self.model_name, llm.config.model)
+        self.options = options
+        self.model_name = options.served_model_name or Path(llm.config.model).name
         self.metrics = ServerMetrics(self.model_name)
-        self.engine = AsyncEngine(llm, self.metrics, max_pending_requests)
+        self.engine = AsyncEngine(llm, self.metrics, options.max_pending_requests)
+        self.preprocessor = Preprocessor(llm, (self.model_name,))
+        middleware = []
+        if options.allowed_origins:
+            middleware.append(Middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                                         allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+        if options.api_key is not None:
+            middleware.append(Middleware(APIKeyMiddleware, api_key=options.api_key))
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -50,6 +78,7 @@ class OpenAIServer:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
             ],
+            middleware=middleware,
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
             lifespan=self._lifespan,
         )
@@ -59,6 +88,7 @@ class OpenAIServer:
         self.engine.start()
         yield
         self.engine.stop()
+        self.preprocessor.close()
 
     # ---- simple routes -------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -70,7 +100,7 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": p.now(), "owned_by": "nanovllm",
-                "root": self.llm.config.model, "max_model_len": self.llm.config.max_model_len}
+                "root": self.model_name, "max_model_len": self.llm.config.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def prometheus(self, request: Request) -> Response:
@@ -93,50 +123,44 @@ class OpenAIServer:
     async def _generate(self, request: Request, chat: bool) -> Response:
         rid = p.new_id(chat)
         try:
-            parsed, prompt = self._parse(await request.body(), chat)
-            stream = await self._admit(prompt, parsed.params, rid, "messages" if chat else "prompt")
+            self._check_available()  # before reading and tokenizing a request that would be refused
+            raw = await read_json_body(request, self.options.max_request_body_bytes, self.options.timeout_request_read)
+            prepared = await self.preprocessor.prepare(raw, chat)
+            del raw  # a large body is not kept while the request runs
+            stream = await self._admit(prepared.token_ids, prepared.parsed.params, rid, prepared.prompt_field)
         except p.APIError as e:
             self.metrics.record_rejected("overloaded" if e.status in (429, 503) else "invalid")
             return error_response(e)
+        parsed = prepared.parsed
         if parsed.stream:
             return StreamingResponse(self._sse(stream, parsed, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         async with stream:
-            out = await _until_finished_or_disconnect(stream, request)
+            try:
+                out = await _until_finished_or_disconnect(stream, request)
+            except (RequestFailed, EngineUnavailable) as e:
+                return error_response(_stream_error(e))
         if out is None:  # the client went away; the request was aborted
             return Response(status_code=499)
         usage = p.usage(len(out.prompt_token_ids), len(out.token_ids))
         make = p.chat_body if chat else p.completion_body
         return JSONResponse(make(rid, parsed.model, out.text, out.finish_reason, usage, p.now()))
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[p.ParsedRequest, str | list[int]]:
-        body = p.parse_json(raw)
-        if not chat:
-            parsed = p.parse_completion(body, self.served_names)
-            return parsed, parsed.prompt
-        parsed = p.parse_chat(body, self.served_names)
-        prompt = self._chat_prompt(parsed.messages)
-        if not parsed.max_tokens_given:  # as in vLLM: the rest of the context window
-            room = max(1, self.llm.config.max_model_len - len(prompt))
-            parsed.params = dataclasses.replace(parsed.params, max_tokens=room)
-        return parsed, prompt
-
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.llm.tokenizer is None or not getattr(self.llm.tokenizer, "chat_template", None):
-            raise p.APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    def _check_available(self) -> None:
         try:
-            return self.llm.chat_prompt(messages)  # the same template call as LLM.chat
-        except Exception as e:  # noqa: BLE001 - the template itself rejects some conversations
-            raise p.APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
-
-    async def _admit(self, prompt, params, rid: str, prompt_field: str) -> RequestStream:
-        try:
-            return await self.engine.add_request(prompt, params, rid)
+            self.engine.check_available()
         except EngineUnavailable as e:
             raise p.APIError(503, str(e), None, e.reason, "server_error") from None
-        except ValueError as e:  # the engine's own limits: max_model_len, KV pool size, vocab
-            code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else None
-            raise p.APIError(400, str(e), prompt_field, code) from None
+
+    async def _admit(self, token_ids: list[int], params, rid: str, prompt_field: str) -> RequestStream:
+        try:
+            return await self.engine.add_request(token_ids, params, rid)
+        except EngineUnavailable as e:
+            raise p.APIError(503, str(e), None, e.reason, "server_error") from None
+        except (ValueError, TypeError) as e:  # the engine's own limits: max_model_len, KV pool size, vocab
+            raise refusal(e, prompt_field) from None
+        except RequestFailed as e:
+            raise _stream_error(e) from None
 
     async def _sse(self, stream: RequestStream, parsed: p.ParsedRequest, rid: str, chat: bool) -> AsyncIterator[str]:
         created, model = p.now(), parsed.model
@@ -146,14 +170,25 @@ class OpenAIServer:
         async with stream:
             if chat:
                 yield _event(p.chunk(rid, model, created, True, None, None, role=True))
-            async for out in stream:
-                text = out.text if out.finished else out.text[: max(0, len(out.text) - hold)]
-                delta = text[len(sent):] if text.startswith(sent) else ""
-                sent = text if text.startswith(sent) else sent
-                yield _event(p.chunk(rid, model, created, chat, delta, out.finish_reason if out.finished else None))
+            try:
+                async for out in stream:
+                    text = out.text if out.finished else out.text[: max(0, len(out.text) - hold)]
+                    delta = text[len(sent):] if text.startswith(sent) else ""
+                    sent = text if text.startswith(sent) else sent
+                    yield _event(p.chunk(rid, model, created, chat, delta, out.finish_reason if out.finished else None))
+            except (RequestFailed, EngineUnavailable) as e:  # as vLLM: an error event, then the end of the stream
+                yield _event(_stream_error(e).body())
+                yield "data: [DONE]\n\n"
+                return
         if parsed.include_usage and out is not None:
             yield _event(p.usage_chunk(rid, model, created, chat, p.usage(len(out.prompt_token_ids), len(out.token_ids))))
         yield "data: [DONE]\n\n"
+
+
+def _stream_error(e: Exception) -> p.APIError:
+    if isinstance(e, EngineUnavailable):
+        return p.APIError(503, str(e), None, e.reason, "server_error")
+    return p.APIError(500, str(e), None, "request_failed", "server_error")
 
 
 def _event(payload: dict) -> str:
@@ -161,7 +196,7 @@ def _event(payload: dict) -> str:
 
 
 async def _until_finished_or_disconnect(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The final output, or None if the client disconnected first."""
+    """The final output, or None if the client disconnected first; raises if the request failed."""
 
     async def final() -> RequestOutput:
         out = None
@@ -176,24 +211,45 @@ async def _until_finished_or_disconnect(stream: RequestStream, request: Request)
     done_task, gone_task = asyncio.ensure_future(final()), asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        done_task.cancel()
+        raise
     finally:
         gone_task.cancel()
-        if not done_task.done():
-            done_task.cancel()
-    return done_task.result() if not done_task.cancelled() else None
+    if not done_task.done():  # the client went first (cancelling does not make the task done at once)
+        done_task.cancel()
+        return None
+    return done_task.result()
 
 
-def serve(llm: LLM, host: str, port: int, served_model_name: str | None = None, max_pending_requests: int = 256,
-          log_level: str = "info", shutdown_timeout: float | None = None) -> None:
-    """Run the server until SIGTERM/SIGINT, then drain the requests in flight."""
-    server = OpenAIServer(llm, served_model_name, max_pending_requests)
+def serve(llm: LLM, host: str, port: int, options: ServerOptions = ServerOptions(), log_level: str = "info",
+          shutdown_timeout: float | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT, then drain the requests in flight. Exits with status 1 if the
+    engine broke."""
+    server = OpenAIServer(llm, options)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
-    _DrainingServer(config, server.engine).run()
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
+                            http=with_header_timeout(options.timeout_request_read),
+                            timeout_keep_alive=options.timeout_keep_alive)
+    uvicorn_server = _DrainingServer(config, server.engine)
+    server.engine.on_fatal = lambda: setattr(uvicorn_server, "should_exit", True)
+    uvicorn_server.run()
+    if server.engine.error is not None:
+        print(f"error: the engine failed: {server.engine.error!r}", file=sys.stderr)
+        sys.exit(1)
+
+
+def api_key_from(option: str | None) -> str | None:
+    """--api-key, else $NANOVLLM_API_KEY, else None (no key); an empty key is refused."""
+    key = option if option is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key:
+        raise ValueError(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
+    return key
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, plus: the first signal turns new generation requests (and /health) into 503."""
+    """uvicorn's server, plus: the first signal turns new generation requests (and /health) into 503;
+    a second one exits without waiting."""
 
     def __init__(self, config, engine: AsyncEngine):
         super().__init__(config)
@@ -201,4 +257,6 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         self.engine.draining = True
+        if self.should_exit:
+            self.force_exit = True
         super().handle_exit(sig, frame)

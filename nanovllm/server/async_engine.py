@@ -1,24 +1,39 @@
-"""One engine loop in a background thread, driven from asyncio.
+"""One engine loop in a background thread, driven from asyncio, with text made in a second thread.
 
-The HTTP handlers never touch the engine: they post commands (add, abort) to a queue under a lock and
-receive outputs on a per-request asyncio.Queue, filled from the engine thread with
-`loop.call_soon_threadsafe`. The engine thread is the only caller of add_request, abort_request and
-step(), so the event loop never blocks on a forward pass.
+The HTTP handlers never touch the engine: they post commands (add, abort) to a queue under a lock. The
+engine thread is the only caller of add_request, abort_request and step(); it runs requests without
+detokenizing them and hands each step's token outputs to the output thread, which turns them into text
+(engine/detokenizer.OutputText: the same code as offline), checks stop strings (a match ends the request
+in the engine with a "finish" command) and fills the per-request asyncio.Queue with
+`loop.call_soon_threadsafe`. So the event loop never blocks on a forward pass and the engine never waits
+for detokenization.
+
+No request can end the engine thread: a request the engine refuses fails alone, and a step that raises
+fails the requests of its batch (`StepFailed`) while the others go on. Only a broken engine (several
+failed steps in a row, or bookkeeping that no longer adds up) stops it: `error` is set, every request
+fails with 503 and `on_fatal` is called (the server then exits non-zero).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.outputs import RequestOutput
+from nanovllm.engine.detokenizer import OutputText
+from nanovllm.engine.llm_engine import LLMEngine, StepFailed
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.server.metrics import ServerMetrics
 
+log = logging.getLogger("nanovllm.server")
+
 _ACCEPTED = object()  # first item on a request's queue once add_request succeeded
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # more failed steps in a row than this: the engine is broken
 
 
 class EngineUnavailable(Exception):
@@ -27,6 +42,10 @@ class EngineUnavailable(Exception):
     def __init__(self, message: str, reason: str = "overloaded"):
         super().__init__(message)
         self.reason = reason
+
+
+class RequestFailed(Exception):
+    """The request was accepted but could not be completed (its step failed); the engine goes on."""
 
 
 @dataclass
@@ -40,7 +59,10 @@ class _Track:
     num_tokens: int = 0
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody waits for this request any more
+            pass
 
 
 @dataclass
@@ -68,7 +90,8 @@ class RequestStream:
             yield out
 
     async def next(self) -> RequestOutput:
-        """The newest output; a slow consumer skips intermediate ones (each holds the cumulative text)."""
+        """The newest output; a slow consumer skips intermediate ones (each holds the cumulative text).
+        Raises RequestFailed or EngineUnavailable if the request failed."""
         item = await self.queue.get()
         while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
             item = self.queue.get_nowait()
@@ -86,12 +109,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_pending_requests: int = 256):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_pending_requests: int = 256,
+                 on_fatal: Callable[[], None] | None = None):
         if max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
         self.engine = engine
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
+        self.on_fatal = on_fatal  # called from the engine thread once the engine is broken
         self.pending = 0  # changed only on the event loop
         self.draining = False
         self.error: BaseException | None = None
@@ -99,22 +124,26 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._stopping = False
         self._tracks: dict[str, _Track] = {}  # engine thread only
+        self._failed_steps_in_a_row = 0
+        self._outputs = OutputThread(engine.tokenizer, metrics, self._post)
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self.metrics.set_stats(engine.stats())
 
     # ---- event-loop side -----------------------------------------------------------------
     def start(self) -> None:
+        self._outputs.start()
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Let the engine thread finish what it holds, then end it."""
+        """Let the engine thread finish what it holds, then end it and the output thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        self._outputs.stop(timeout)
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        """Queue a request; raises ValueError (refused by the engine) or EngineUnavailable."""
+    def check_available(self) -> None:
+        """Raise EngineUnavailable if a request would be refused now (also checked by add_request)."""
         if self.error is not None:
             raise EngineUnavailable(f"the engine failed: {self.error!r}", "engine_error")
         if self.draining:
@@ -122,15 +151,20 @@ class AsyncEngine:
         if self.pending >= self.max_pending_requests:
             raise EngineUnavailable(f"the server is at its limit of max_pending_requests={self.max_pending_requests} "
                                     "requests in flight; retry later")
+
+    async def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Queue a request; raises ValueError/TypeError (refused by the engine) or EngineUnavailable."""
+        self.check_available()
         self.pending += 1
         self.metrics.set_pending(self.pending)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, asyncio.Queue())
-        self._post(("add", request_id, prompt, params, _Track(stream.queue, loop, time.perf_counter())))
+        track = _Track(stream.queue, loop, time.perf_counter())
         try:
+            self._post(("add", request_id, token_ids, params, track))
             item = await stream.queue.get()
         except BaseException:
-            stream.close()  # cancelled while waiting for admission
+            stream.close()  # cancelled while waiting for admission, or the engine is gone
             raise
         if isinstance(item, BaseException):
             stream.finished = True
@@ -142,10 +176,15 @@ class AsyncEngine:
         self.pending -= 1
         self.metrics.set_pending(self.pending)
         if abort:
-            self._post(("abort", request_id))
+            try:
+                self._post(("abort", request_id))
+            except EngineUnavailable:  # the engine is gone; it failed this request itself
+                pass
 
     def _post(self, command: tuple) -> None:
         with self._cond:
+            if self.error is not None:
+                raise EngineUnavailable(f"the engine failed: {self.error!r}", "engine_error")
             self._commands.append(command)
             self._cond.notify()
 
@@ -154,14 +193,44 @@ class AsyncEngine:
         try:
             while self._next_commands() is not None or self.engine.has_unfinished_requests():
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step(), time.perf_counter())
+                    self._step()
                 self.metrics.set_stats(self.engine.stats())
-        except BaseException as e:  # a failed step fails every request; the server stays up to report it
-            self.error = e
-            for track in self._tracks.values():
-                track.put(EngineUnavailable(f"the engine failed: {e!r}", "engine_error"))
-            self._tracks.clear()
-            raise
+        except BaseException as e:  # noqa: BLE001 - the engine itself is broken: report it and stop
+            self._die(e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepFailed as e:
+            self._failed_steps_in_a_row += 1
+            log.error("%s", e, exc_info=e.__cause__)
+            lost = [rid for rid in self._tracks if rid not in self.engine.requests]  # finished in that step
+            for request_id in dict.fromkeys([*e.request_ids, *lost]):
+                self._fail(request_id, RequestFailed(f"the request failed in the engine: {e.__cause__!r}"))
+            if self._failed_steps_in_a_row > MAX_CONSECUTIVE_STEP_FAILURES:
+                raise RuntimeError(f"{self._failed_steps_in_a_row} steps in a row failed; last: {e}") from e
+            return
+        self._failed_steps_in_a_row = 0
+        self._deliver(outputs, time.perf_counter())
+
+    def _die(self, error: BaseException) -> None:
+        log.critical("the engine failed and stops; the server will exit: %r", error, exc_info=error)
+        with self._cond:
+            self.error = error
+            commands = list(self._commands)
+            self._commands.clear()
+        unavailable = EngineUnavailable(f"the engine failed: {error!r}", "engine_error")
+        for command in commands:
+            if command[0] == "add":
+                command[4].put(unavailable)
+        for request_id in list(self._tracks):
+            self._fail(request_id, unavailable)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        self._tracks.pop(request_id, None)
+        self._outputs.post(("fail", request_id, error))
 
     def _next_commands(self) -> list[tuple] | None:
         """Apply queued commands, waiting for some while idle; None once stopping and idle."""
@@ -177,21 +246,30 @@ class AsyncEngine:
         return commands
 
     def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, prompt, params, track = command
-            try:
-                self.engine.add_request(prompt, params, request_id)
-            except ValueError as e:
-                track.put(e)
-                return
-            self._tracks[request_id] = track
-            track.put(_ACCEPTED)
-        else:
-            request_id = command[1]
-            track = self._tracks.pop(request_id, None)
-            if track is not None:  # still in the engine: free its blocks
-                self.engine.abort_request(request_id)
-                self.metrics.record_finished("abort", time.perf_counter() - track.arrival)
+        kind, request_id = command[0], command[1]
+        if kind == "add":
+            self._add(request_id, *command[2:])
+            return
+        track = self._tracks.pop(request_id, None)
+        if track is not None:  # still in the engine: free its blocks
+            self.engine.abort_request(request_id)
+            if kind == "abort":  # else "finish": the output thread found a stop string and ended it already
+                self._outputs.post(("abort", request_id))
+
+    def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, track: _Track) -> None:
+        try:
+            self.engine.add_request(token_ids, params, request_id, detokenize=False)
+        except (ValueError, TypeError) as e:
+            track.put(e)
+            return
+        except Exception as e:  # noqa: BLE001 - a bug of admission must not end the engine thread
+            log.exception("add_request failed")
+            self.engine.abort_request(request_id)
+            track.put(RequestFailed(f"the engine could not admit the request: {e!r}"))
+            return
+        self._tracks[request_id] = track
+        self._outputs.post(("start", request_id, track, token_ids, params))
+        track.put(_ACCEPTED)
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
@@ -206,7 +284,106 @@ class AsyncEngine:
                 self.metrics.record_tokens(new_tokens, now - track.last_token_time)
             track.num_tokens += new_tokens
             track.last_token_time = now
-            track.put(out)
+            self._outputs.post(("output", out.request_id, out))
             if out.finished:
                 del self._tracks[out.request_id]
-                self.metrics.record_finished(out.outputs[0].finish_reason or "stop", now - track.arrival)
+
+
+@dataclass
+class _Text:
+    """The output thread's state of one request."""
+
+    track: _Track
+    text: OutputText | None  # None without a tokenizer: outputs carry token ids only
+    num_tokens: int = 0  # tokens already turned into text
+
+
+class OutputThread:
+    """Turns the engine's token outputs into text, stop strings included, and hands them to the requests.
+
+    Events, in the engine's order: ("start", id, track, prompt ids, params), ("output", id, RequestOutput),
+    ("abort", id), ("fail", id, exception). It posts ("finish", id) to the engine when a stop string ends a
+    request, and records every request's end in the metrics (once: it alone knows whether it ended)."""
+
+    def __init__(self, tokenizer, metrics: ServerMetrics, post_to_engine: Callable[[tuple], None]):
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.post_to_engine = post_to_engine
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._texts: dict[str, _Text] = {}
+        self._thread = threading.Thread(target=self._run, name="nanovllm-detokenizer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._events.put(None)
+        self._thread.join(timeout)
+
+    def post(self, event: tuple) -> None:
+        self._events.put(event)
+
+    def _run(self) -> None:
+        while (event := self._events.get()) is not None:
+            try:
+                self._handle(event)
+            except Exception as e:  # noqa: BLE001 - one request's text must not stop the others'
+                log.exception("turning request %s's tokens into text failed", event[1])
+                self._end(event[1], "error", RequestFailed(f"turning the output into text failed: {e!r}"))
+                self._post_quietly(("abort", event[1]))
+
+    def _handle(self, event: tuple) -> None:
+        kind, request_id = event[0], event[1]
+        if kind == "start":
+            _, _, track, token_ids, params = event
+            text = OutputText(self.tokenizer, token_ids, params.stop) if self.tokenizer is not None else None
+            self._texts[request_id] = _Text(track, text)
+        elif kind == "output":
+            self._output(request_id, event[2])
+        elif kind == "abort":
+            self._end(request_id, "abort", None)
+        else:
+            self._end(request_id, "error", event[2])
+
+    def _output(self, request_id: str, out: RequestOutput) -> None:
+        state = self._texts.get(request_id)
+        if state is None:  # ended here already (a stop string) while the engine ran on
+            return
+        token_ids, reason = out.outputs[0].token_ids, out.outputs[0].finish_reason
+        for i in range(state.num_tokens, len(token_ids)):
+            state.num_tokens = i + 1
+            if state.text is None:
+                continue
+            state.text.add(token_ids[i])
+            engine_stopped_here = out.finished and reason == "stop" and i == len(token_ids) - 1  # EOS, stop id
+            if state.text.stop and not engine_stopped_here and state.text.match_stop():
+                if not out.finished:
+                    self._post_quietly(("finish", request_id))
+                self._end(request_id, "stop", _with_text(out, token_ids[: i + 1], state.text.text, "stop"))
+                return
+        if out.finished:
+            text = state.text.final(token_ids) if state.text is not None else ""
+            self._end(request_id, reason or "stop", _with_text(out, token_ids, text, reason))
+        else:
+            state.track.put(_with_text(out, token_ids, state.text.text if state.text is not None else "", None))
+
+    def _end(self, request_id: str, reason: str, item: RequestOutput | Exception | None) -> None:
+        state = self._texts.pop(request_id, None)
+        if state is None:
+            return
+        self.metrics.record_finished(reason, time.perf_counter() - state.track.arrival)
+        if item is not None:
+            state.track.put(item)
+
+    def _post_quietly(self, command: tuple) -> None:
+        try:
+            self.post_to_engine(command)
+        except EngineUnavailable:  # the engine is gone and fails every request itself
+            pass
+
+
+def _with_text(out: RequestOutput, token_ids: list[int], text: str, finish_reason: str | None) -> RequestOutput:
+    done = finish_reason is not None
+    completion = CompletionOutput(0, text, token_ids, finish_reason, out.outputs[0].logprobs)
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [completion], done, out.metrics,
+                         out.prompt_logprobs)

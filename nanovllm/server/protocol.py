@@ -1,7 +1,8 @@
 """OpenAI request validation and response shapes for /v1/completions and /v1/chat/completions.
 
 Every refusal is an `APIError` whose `param` names the offending field, returned as OpenAI's error body
-`{"error": {"message", "type", "param", "code"}}`.
+`{"error": {"message", "type", "param", "code"}}`. Types are exact (a JSON true is not the number 1) and
+values are checked by the same code as the offline API's (nanovllm/validation.py, SamplingParams).
 """
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from nanovllm import validation as v
 from nanovllm.sampling_params import SamplingParams
 
 MAX_STOP_SEQUENCES = 4  # as in the OpenAI API
+MAX_JSON_DEPTH = 64  # objects and arrays nested deeper are refused (a valid request needs 4)
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str = "invalid_request_error"):
+        message, param = _encodable(message), None if param is None else _encodable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
@@ -48,12 +52,31 @@ _ROLES = ("system", "user", "assistant", "developer", "tool")
 
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, not UTF-8, NaN/Infinity, an integer of more than 4300 digits
         raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+        raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}", None, "invalid_json")
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json")
     return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _depth(value) -> int:
+    """How deeply objects and arrays nest in value (iterative: a deep body must not exhaust the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 def parse_completion(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
@@ -61,7 +84,7 @@ def parse_completion(body: dict, served_names: tuple[str, ...]) -> ParsedRequest
     _unsupported(body, "echo", (None, False), "echo is not supported")
     _unsupported(body, "best_of", (None, 1), "best_of must be 1")
     _unsupported(body, "suffix", (None,), "suffix is not supported")
-    return _parsed(body, served_names, prompt=_prompt(body.get("prompt")), messages=None, default_max_tokens=16)
+    return _parsed(body, served_names, prompt=_prompt(body.get("prompt")), messages=None)
 
 
 def parse_chat(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
@@ -71,25 +94,23 @@ def parse_chat(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
         _unsupported(body, name, (None,), f"{name} is not supported")
     if body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parsed(body, served_names, prompt=None, messages=_messages(body.get("messages")), default_max_tokens=None)
+    return _parsed(body, served_names, prompt=None, messages=_messages(body.get("messages")))
 
 
-def _parsed(body: dict, served_names: tuple[str, ...], prompt, messages, default_max_tokens: int | None) -> ParsedRequest:
+def _parsed(body: dict, served_names: tuple[str, ...], prompt, messages) -> ParsedRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, f"model must be a string, got {_kind(model)}", "model")
     if model is not None and model not in served_names:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served_names[0]!r}",
                        "model", "model_not_found")
-    if body.get("n") not in (None, 1):
-        raise APIError(400, "n must be 1: one completion per request is supported", "n")
-    if body.get("logprobs") not in (None, False):
-        raise APIError(400, "logprobs are not supported by this server", "logprobs")
+    _unsupported(body, "n", (None, 1), "n must be 1: one completion per request is supported")
+    _unsupported(body, "logprobs", (None, False), "logprobs are not supported by this server")
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(body, name)
         if value not in (None, 0):
             raise APIError(400, f"{name} is not supported (only 0)", name)
-    if body.get("logit_bias"):
+    if body.get("logit_bias") not in (None, {}):
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError(400, f"user must be a string, got {_kind(body['user'])}", "user")
@@ -97,30 +118,23 @@ def _parsed(body: dict, served_names: tuple[str, ...], prompt, messages, default
     max_tokens = _integer(body, "max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    params = _sampling_params(body, max_tokens if max_tokens is not None else default_max_tokens)
-    return ParsedRequest(prompt, messages, params, max_tokens is not None or default_max_tokens is not None, stream,
-                         _include_usage(body, stream), model or served_names[0])
+    params = _sampling_params(body, max_tokens)
+    return ParsedRequest(prompt, messages, params, max_tokens is not None, stream, _include_usage(body, stream),
+                         model or served_names[0])
 
 
 def _sampling_params(body: dict, max_tokens: int | None) -> SamplingParams:
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens or 16}
-    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0)):
-        value = _number(body, name)
-        kwargs[name] = default if value is None else value
-    for name in ("seed", "top_k"):
-        value = _integer(body, name)
-        if value is not None:
-            kwargs[name] = value
-    kwargs["ignore_eos"] = _bool(body, "ignore_eos", False)
+    """The request's SamplingParams; max_tokens=None gets a placeholder the caller replaces once the
+    prompt length is known (the room left in the context window, for completions at most 16)."""
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens or 1}
+    for name in ("temperature", "top_p", "min_p", "seed", "top_k", "ignore_eos", "stop_token_ids"):
+        if body.get(name) is not None:
+            kwargs[name] = body[name]
     kwargs["stop"] = _stop(body.get("stop"))
-    ids = body.get("stop_token_ids")
-    if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
-        raise APIError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
-    kwargs["stop_token_ids"] = ids or []
     try:
         return SamplingParams(**kwargs)
-    except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1], got 2"
-        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+    except (v.InvalidType, v.InvalidValue) as e:  # the field first: "top_p must be in (0, 1], got 2.0"
+        raise APIError(400, str(e), e.param.split("[", 1)[0]) from None
 
 
 def _prompt(prompt) -> str | list[int]:
@@ -129,14 +143,22 @@ def _prompt(prompt) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return prompt
+        return _checked(v.text, "prompt", prompt)
+    if isinstance(prompt, list) and prompt and all(v.is_int(t) for t in prompt):
+        return _checked(v.token_ids, "prompt", prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise APIError(400, "batched prompts are not supported: send one prompt per request", "prompt")
     if prompt is None:
         raise APIError(400, "prompt is required", "prompt")
     raise APIError(400, f"prompt must be a string or a non-empty list of token ids, got {_kind(prompt)}", "prompt")
+
+
+def _checked(check, name: str, value):
+    """check(name, value) with its InvalidType/InvalidValue as a 400 naming `name`."""
+    try:
+        return check(name, value)
+    except (v.InvalidType, v.InvalidValue) as e:
+        raise APIError(400, str(e), name) from None
 
 
 def _messages(messages) -> list[dict[str, str]]:
@@ -155,10 +177,10 @@ def _messages(messages) -> list[dict[str, str]]:
 
 def _content(content, i: int) -> str:
     if isinstance(content, str):
-        return content
+        return _checked(v.text, f"messages[{i}].content", content)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _checked(v.text, f"messages[{i}].content", "".join(p["text"] for p in content))
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
@@ -168,6 +190,7 @@ def _stop(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise APIError(400, "stop must be a non-empty string or a list of non-empty strings", "stop")
+    _checked(v.strings, "stop", stops)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise APIError(400, f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop")
     return stops
@@ -191,26 +214,20 @@ def _check_fields(body: dict, known: set[str]) -> None:
 
 
 def _unsupported(body: dict, name: str, allowed: tuple, message: str) -> None:
-    if body.get(name) not in allowed:
+    """Refuse body[name] unless it is one of allowed, of the same type (a JSON true is not 1)."""
+    value = body.get(name)
+    if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
         raise APIError(400, message, name)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _integer(body: dict, name: str) -> int | None:
     value = body.get(name)
-    if value is not None and not _is_int(value):
-        raise APIError(400, f"{name} must be an integer, got {_kind(value)}", name)
-    return value
+    return None if value is None else _checked(v.integer, name, value)
 
 
 def _number(body: dict, name: str) -> float | None:
     value = body.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise APIError(400, f"{name} must be a number, got {_kind(value)}", name)
-    return value
+    return None if value is None else _checked(v.number, name, value)
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -225,6 +242,11 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 def _kind(value) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
             type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _encodable(text: str) -> str:
+    """text with lone surrogates (from a client's JSON) spelled out, so the error body encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
 
     started = time.perf_counter()
     if samples_file:
-        samples = first_samples(load_samples(samples_file), names, lengths, num_samples)
+        samples = samples_from_file(samples_file, names, lengths, num_samples)
     else:
         samples = make_samples(generator, llm.tokenizer, str(llm.config.model), lengths, names, num_samples,
                                template, seed)
@@ -143,6 +143,23 @@ def load_samples(path: str | Path) -> list[dict]:
         return json.load(f)
 
 
+def samples_from_file(path: str | Path, names: list[str], lengths: list[int], per_cell: int) -> list[dict]:
+    """first_samples of a --save-samples file; ValueError naming the lengths and tasks the file holds if none
+    matches (a run of 0 samples would print a 0.00 average)."""
+    samples = load_samples(path)
+    kept = first_samples(samples, names, lengths, per_cell)
+    held_lengths = sorted({s["length"] for s in samples})
+    held_tasks = [t for t in TASK_NAMES if any(s["task"] == t for s in samples)]
+    if not kept:
+        raise ValueError(f"no sample in {path} matches --lengths {' '.join(map(str, lengths))} and --tasks "
+                         f"{' '.join(names)}; the file holds lengths {' '.join(map(str, held_lengths)) or 'none'} "
+                         f"and tasks {' '.join(held_tasks) or 'none'}")
+    missing = [str(n) for n in lengths if n not in held_lengths] + [t for t in names if t not in held_tasks]
+    if missing:
+        _log(f"{path} holds no samples for {', '.join(missing)}; running the {len(kept)} that match")
+    return kept
+
+
 def _hf_check(llm, samples: list[dict], token_ids: list[list[int]], records: list[dict], use_tqdm: bool) -> dict:
     """Score HF transformers' greedy predictions on the same prompts; per task and length, both scores."""
     from nanovllm.eval.ruler.hf_check import hf_predictions
@@ -219,7 +236,9 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
         save_samples(samples, args.save_samples)
         _log(f"{len(samples)} samples written to {args.save_samples}")
         return {"samples": len(samples)}
-    if not args.samples_file:
+    if args.samples_file:
+        samples_from_file(args.samples_file, tasks, args.lengths, args.samples)  # refuse a mismatch before loading
+    else:
         data.ensure_ruler_data()  # install and verify the data before loading the model
     llm = LLM(args.model, **options)
     return run_ruler(llm, args.lengths, tasks, args.samples, args.output, args.template,

@@ -1,0 +1,128 @@
+"""What the server asks of a client before a request reaches the engine.
+
+- `APIKeyMiddleware`: `Authorization: Bearer <key>` on every route but /health and /metrics, compared in
+  constant time; 401 with OpenAI's error body otherwise.
+- `read_json_body`: a JSON content type (else 415: a browser page may send text/plain cross-origin
+  without asking, but not application/json), at most `limit` bytes (else 413), all of it within
+  `timeout` seconds (else 408).
+- `HeaderTimeoutProtocol`: uvicorn's h11 protocol, plus a deadline for a request's line and headers
+  (uvicorn has only the keep-alive timeout, so a client sending headers byte by byte held a connection
+  forever).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+import h11
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from nanovllm.server.protocol import APIError
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class APIKeyMiddleware:
+    def __init__(self, app, api_key: str):
+        if not api_key:
+            raise ValueError("the API key must not be empty")
+        self.app = app
+        self.expected = api_key.encode("utf-8")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                         None, "invalid_api_key")
+        response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+
+
+def is_json_content_type(value: str | None) -> bool:
+    media_type = (value or "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
+async def read_json_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body; APIError 415, 413 or 408 as the module docstring says."""
+    content_type = request.headers.get("content-type")
+    if not is_json_content_type(content_type):
+        raise APIError(415, f"the request body must be JSON with 'Content-Type: application/json', got "
+                            f"{content_type!r}", None, "unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", None, "request_timeout") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds the server's limit of {limit} bytes "
+                         "(--max-request-body-bytes)", None, "request_too_large")
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """Closes a connection whose next request line and headers are not complete `timeout_headers`
+    seconds after the connection became ready for it (opened, or the previous response sent)."""
+
+    timeout_headers: float = 30.0  # set per server by a subclass (see with_header_timeout)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_deadline = None
+        self._start_header_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_header_deadline()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # a request's headers are in
+            self._cancel_header_deadline()
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self._start_header_deadline()  # before super(): it may start on a pipelined request at once
+        super().on_response_complete()
+
+    def _start_header_deadline(self) -> None:
+        self._cancel_header_deadline()
+        self._header_deadline = self.loop.call_later(self.timeout_headers, self._headers_too_slow)
+
+    def _cancel_header_deadline(self) -> None:
+        if getattr(self, "_header_deadline", None) is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_deadline = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return
+        try:
+            self.conn.send(h11.ConnectionClosed())
+        except h11.LocalProtocolError:
+            pass
+        self.transport.close()
+
+
+def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for uvicorn.Config(http=...), with this server's header deadline."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"timeout_headers": seconds})
