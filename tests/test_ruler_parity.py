@@ -233,3 +233,19 @@ def test_sentence_splitting_equals_nltk(tmp_path):
         assert nltk.tokenize.sent_tokenize(text) == data.sent_tokenize(text)
     finally:
         nltk.data.path.remove(str(tmp_path))
+
+
+def test_comparison_table():
+    """compare.py, used for the scores in docs/RULER_PARITY.md: per-task rows, averages with standard errors."""
+    from nanovllm.eval.ruler.compare import comparison_table
+
+    def run(scores: dict[str, list[float]]) -> dict:
+        return {"samples": [{"task": t, "length": LENGTH, "score": x, "passed": x >= 50, "prompt_tokens": 100 + i}
+                            for t, xs in scores.items() for i, x in enumerate(xs)]}
+
+    table = comparison_table(run({"a": [100, 0, 100], "b": [50, 50, 50]}), run({"a": [100] * 3, "b": [0, 0, 50]}),
+                             ("official", "ours"))
+    rows = table.splitlines()
+    assert rows[2] == "| a | 4096 | 66.7 (2/3) | 100.0 (3/3) | 101 [100-102] | 101 [100-102] | +0.0% |"
+    assert rows[4] == ("| **average ± standard error** | 4096 | **58.33 ± 16.67** | **58.33 ± 8.33** | | | "
+                       "ours - official: +0.00 ± 18.63 |")

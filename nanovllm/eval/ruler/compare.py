@@ -30,24 +30,34 @@ def _tokens(rows: list[dict]) -> str:
 
 def comparison_table(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     """Markdown: task, length, both scores (mean, passed/samples), both prompt lengths (mean [min-max]), and the
-    difference of the mean prompt lengths; then the per-length averages of the task scores."""
+    difference of the mean prompt lengths; then per length the averages of the task scores with their standard
+    errors and the difference of the averages."""
     ca, cb = _cells(a), _cells(b)
     x, y = names
     lines = [f"| task | length | {x} score | {y} score | {x} prompt tokens | {y} prompt tokens | {y} vs {x} length |",
              "|---|---|---|---|---|---|---|"]
-    averages: dict[int, tuple[list[float], list[float]]] = {}
+    by_length: dict[int, tuple[list[list[dict]], list[list[dict]]]] = {}
     for cell in (c for c in ca if c in cb):
         ra, rb = ca[cell], cb[cell]
         ma = statistics.mean(r["prompt_tokens"] for r in ra)
         mb = statistics.mean(r["prompt_tokens"] for r in rb)
         lines.append(f"| {cell[0]} | {cell[1]} | {_score(ra)} | {_score(rb)} | {_tokens(ra)} | {_tokens(rb)} | "
                      f"{100 * (mb / ma - 1):+.1f}% |")
-        sa, sb = averages.setdefault(cell[1], ([], []))
-        sa.append(statistics.mean(r["score"] for r in ra))
-        sb.append(statistics.mean(r["score"] for r in rb))
-    for length, (sa, sb) in averages.items():
-        lines.append(f"| **average** | {length} | **{statistics.mean(sa):.2f}** | **{statistics.mean(sb):.2f}** | | | |")
+        by_length.setdefault(cell[1], ([], []))[0].append(ra)
+        by_length[cell[1]][1].append(rb)
+    for length, (ta, tb) in by_length.items():
+        (mean_a, se_a), (mean_b, se_b) = _average(ta), _average(tb)
+        lines.append(f"| **average ± standard error** | {length} | **{mean_a:.2f} ± {se_a:.2f}** | "
+                     f"**{mean_b:.2f} ± {se_b:.2f}** | | | {y} - {x}: {mean_b - mean_a:+.2f} ± "
+                     f"{(se_a ** 2 + se_b ** 2) ** 0.5:.2f} |")
     return "\n".join(lines)
+
+
+def _average(tasks: list[list[dict]]) -> tuple[float, float]:
+    """Unweighted mean of the task scores and its standard error (sample variance within each task)."""
+    means = [statistics.mean(r["score"] for r in rows) for rows in tasks]
+    variance = sum(statistics.variance([r["score"] for r in rows]) / len(rows) for rows in tasks if len(rows) > 1)
+    return statistics.mean(means), variance ** 0.5 / len(tasks)
 
 
 def main(argv: list[str] | None = None) -> None:
