@@ -86,18 +86,24 @@ PROMPTS = [list(range(3, 150)), [7] * 40 + list(range(60)), list(range(200, 20, 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
-def test_quest_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, offload):
+def assert_equals_full_attention(llm_for, tiny_llama, offload: bool, density: str) -> None:
+    """llm_for(**memory) -> a sparse engine whose selection keeps every block: outputs equal full attention."""
     want = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", num_gpu_blocks=64,
                max_num_batched_tokens=64).generate(PROMPTS, GREEDY, use_tqdm=False)
     memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
         dict(num_gpu_blocks=64)
-    got = quest_llm(tiny_llama, quest_token_budget=4096, **memory).generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = llm_for(**memory).generate(PROMPTS, GREEDY, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
-        assert g.metrics.decode_density == 1.0
+        assert getattr(g.metrics, density) == 1.0
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_quest_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, offload):
+    assert_equals_full_attention(lambda **m: quest_llm(tiny_llama, quest_token_budget=4096, **m), tiny_llama, offload,
+                                 "decode_density")
 
 
 def test_quest_decode_density_matches_an_independent_count(tiny_llama):
@@ -201,16 +207,8 @@ def xattn_llm(path, **options) -> LLM:
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
 def test_xattention_with_threshold_one_equals_full_attention(tiny_llama, offload):
-    want = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", num_gpu_blocks=64,
-               max_num_batched_tokens=64).generate(PROMPTS, GREEDY, use_tqdm=False)
-    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
-        dict(num_gpu_blocks=64)
-    got = xattn_llm(tiny_llama, xattn_threshold=1.0, **memory).generate(PROMPTS, GREEDY, use_tqdm=False)
-    for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
-        assert g.metrics.prefill_density == 1.0
+    assert_equals_full_attention(lambda **m: xattn_llm(tiny_llama, xattn_threshold=1.0, **m), tiny_llama, offload,
+                                 "prefill_density")
 
 
 def test_xattention_sparse_prefill_same_device_only_and_offload(tiny_llama):
