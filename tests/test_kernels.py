@@ -562,11 +562,10 @@ def test_triton_backend_with_per_head_metadata(ops):
     query_lens, seq_lens = random_mixed_lens(rng, 5, 30, 120)
     b = make_batch(query_lens, seq_lens, 2, 2, 32, 16, torch.float32, seed=8)
     tables, lens = _per_head_selection(b, 2, seed=3)
-    head_tables = [[[x for x in t if x >= 0] for t in ts] for ts in tables.tolist()]
     results = []
     for name in ("torch", "triton"):
         backend = get_attention_backend(name)
-        meta = backend.build_head_metadata(query_lens, lens.tolist(), head_tables, 16, DEVICE)
+        meta = backend.build_head_metadata(query_lens, lens.cpu(), tables.cpu(), 16, DEVICE)
         out = backend.forward(b.q, b.k_cache, b.v_cache, meta, 0.25)
         partial = (torch.zeros(b.q.shape, device=DEVICE), torch.full(b.q.shape[:2], float("-inf"), device=DEVICE))
         backend.history_attention(b.q, b.k_cache, b.v_cache, meta, 0.25, partial)

@@ -18,7 +18,8 @@ from nanovllm.engine.offload.host_pool import HostKVPool
 from nanovllm.engine.offload.split import SplitKV
 from nanovllm.layers.attention import get_attention_backend
 from nanovllm.layers.block_metadata import BlockKeyBounds
-from nanovllm.layers.block_selector import BlockSelector, SelectionInput, SinkRecentSelector, get_block_selector
+from nanovllm.layers.block_selector import (BlockSelector, SelectionInput, SinkRecentSelector, SparseStats,
+                                            get_block_selector)
 from nanovllm.layers.kv_access import DeviceKV
 
 BS, HK, GROUP, D, LAYERS = 16, 2, 3, 8, 2
@@ -155,6 +156,41 @@ def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, sel
         expected_blocks += sum(1 for i in range(2) for b, h in enumerate(on_host[i]) if h and masks[i][..., b].any())
     assert pool.stats.h2d_bytes == expected_blocks * pool.block_bytes_per_layer
     assert expected_blocks < LAYERS * 4  # fewer than all host blocks of both layers
+
+
+@pytest.mark.parametrize("selector_seed", [0, 1, 2])
+def test_offload_decode_reads_exactly_the_selected_host_blocks_in_place(selector_seed):
+    """Decode rows only: one kernel per layer over each KV head's selected blocks, host ones read where they
+    are (no ring copy); the bytes counted are those of the selected (host block, KV head) pairs."""
+    cache = random_cache(10, seed=4)
+    pool = HostKVPool(cache, num_host_blocks=9, ring_blocks=2)
+    pool.host.copy_(torch.randn(pool.host.shape, generator=torch.Generator().manual_seed(5)))
+    tables, on_host = [[4, 6, 3, 1, 7], [2, 8, 5, 0]], [[True, True, False, True, False], [True, False, True, False]]
+    query_lens, seq_lens = [1, 1], [4 * BS + 5, 3 * BS + 9]
+    slots = [tables[i][(s - 1) // BS] * BS + (s - 1) % BS for i, s in enumerate(seq_lens)]
+    selector, stats = RandomHeadSelector(selector_seed), SparseStats(2)
+    kv = SplitKV(pool, cache, get_attention_backend("torch"), [], tables, on_host, query_lens, seq_lens, slots,
+                 selector, stats)
+    kv.begin()
+    expected_pairs = [0, 0]
+    for layer in range(LAYERS):
+        g = torch.Generator().manual_seed(30 + layer)
+        q, k, v = (torch.randn(2, h, D, generator=g) for h in (HK * GROUP, HK, HK))
+        out = kv.attend(layer, q, k, v, 0.25)
+
+        def keys_of(i):
+            parts = [(pool.host if h else cache.data)[:, layer, b] for b, h in zip(tables[i], on_host[i])]
+            kv_tokens = torch.stack(parts, 1).flatten(1, 2)[:, : seq_lens[i]]
+            return kv_tokens[0], kv_tokens[1]
+
+        masks = selector.masks[layer]
+        torch.testing.assert_close(out.double(), reference(q, keys_of, masks, query_lens, seq_lens, 0.25),
+                                   atol=1e-5, rtol=1e-5)
+        for i in range(2):
+            expected_pairs[i] += sum(int(masks[i][h, b]) for h in range(HK) for b, host in enumerate(on_host[i]) if host)
+    head_bytes = pool.block_bytes_per_layer // HK
+    assert stats.host_bytes == [n * head_bytes for n in expected_pairs]
+    assert pool.stats.h2d_bytes == sum(expected_pairs) * head_bytes and pool.stats.h2d_copies == 0
 
 
 def test_sparse_selection_same_in_device_only_and_offload_engines(tiny_llama):

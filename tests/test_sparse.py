@@ -141,6 +141,26 @@ def test_quest_offload_reports_the_host_bytes_it_copies(tiny_llama):
     assert out.metrics.decode_density < 1.0
 
 
+def test_quest_dense_layers_read_their_host_kv_from_the_device_mirror(tiny_llama):
+    """Offload: Quest's dense layers keep a device copy of their host blocks. With every layer dense the
+    outputs equal dense offload's, and no host KV crosses to the device after the prompt, where dense
+    offload copies every host block in every decode step; the mirror holds exactly the host pool's KV."""
+    options = dict(num_gpu_blocks=6, enable_cpu_offload=True, cpu_kv_cache_gb=0.01)
+    prompt = list(range(1, 200))
+    llm = quest_llm(tiny_llama, quest_token_budget=BS, quest_dense_layers=2, **options)
+    got = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    dense = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", max_num_batched_tokens=64, **options)
+    want = dense.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    pool = llm.runner.host_pool
+    assert pool.mirrored_layers == 2 and pool.stats.h2d_bytes == got.metrics.host_kv_bytes_read == 0
+    assert want.metrics.host_kv_bytes_read > 0
+    used = pool.host[:, :, :5]  # the 10 + 199 tokens (14 blocks) left 8+ blocks on the host
+    assert used.abs().sum() > 0 and torch.equal(pool.mirror[:, :, :5], used)
+
+
 def brute_force_xattention(q, keys, stride, granule, threshold) -> torch.Tensor:
     """The definition, with loops: [Hk, query granules, key granules] kept, for the query granules from
     the one holding the first query. q [n_q, Hq, D] are the last n_q of len(keys) positions."""

@@ -86,17 +86,26 @@ class Worker:
     def _ring_blocks(self) -> int:
         return ring_blocks_for(self.bytes_per_block // self.kv_shape[0])
 
+    def _host_blocks(self) -> int:
+        return int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
+
+    def _mirrored_layers(self) -> int:
+        """Quest's dense layers read every block each step: in offload mode their KV stays on the device."""
+        return min(self.config.quest_dense_layers, self.kv_shape[0]) if "quest" in self.config.sparse_policy else 0
+
     def _make_host_pool(self) -> HostKVPool:
-        host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
+        host_blocks = self._host_blocks()
         if host_blocks < 1:
             raise ValueError(f"cpu_kv_cache_gb={self.config.cpu_kv_cache_gb} holds no KV block "
                              f"({self.bytes_per_block} bytes each)")
-        return HostKVPool(self.kv_cache, host_blocks, self._ring_blocks())
+        return HostKVPool(self.kv_cache, host_blocks, self._ring_blocks(), self._mirrored_layers())
 
     def _blocks_that_fit(self) -> int:
-        ring_bytes = RING_SLOTS * self._ring_blocks() * self.bytes_per_block // self.kv_shape[0]
+        """Reserved beside the device pool in offload mode: the ring and the mirrored layers' host blocks."""
+        per_layer_block = self.bytes_per_block // self.kv_shape[0]
+        reserved = (RING_SLOTS * self._ring_blocks() + self._host_blocks() * self._mirrored_layers()) * per_layer_block
         return kv_blocks_that_fit(self.config, self.device, self.bytes_per_block,
-                                  ring_bytes if self.config.enable_cpu_offload else 0, self._warm_up_peak)
+                                  reserved if self.config.enable_cpu_offload else 0, self._warm_up_peak)
 
     def _warm_up_peak(self) -> int:
         """Peak bytes of a forward pass over max_num_batched_tokens, beyond the KV it used."""

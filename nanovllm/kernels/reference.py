@@ -44,7 +44,7 @@ def paged_attention_reference(
     Per-KV-head selections: block_tables [B, Hk, max_blocks] and seq_lens [B, Hk], each KV head (with its
     query heads) over its own blocks, the dropped ones preceding the queries."""
     if block_tables.dim() == 3:
-        return _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale, causal)
+        return _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale, causal, host_kv)
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     starts = cu_query_lens.tolist()
@@ -60,15 +60,16 @@ def paged_attention_reference(
     return out, lse
 
 
-def _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale, causal):
+def _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale, causal, host_kv):
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     group = q.shape[1] // k_cache.shape[2]
     for head in range(k_cache.shape[2]):
-        rows = slice(head * group, (head + 1) * group)
+        rows, one = slice(head * group, (head + 1) * group), slice(head, head + 1)
+        head_host = host_kv and HostKV(host_kv.k[:, :, one], host_kv.v[:, :, one], host_kv.base)
         out[:, rows], lse[:, rows] = paged_attention_reference(
-            q[:, rows], k_cache[:, :, head : head + 1], v_cache[:, :, head : head + 1], cu_query_lens,
-            seq_lens[:, head], block_tables[:, head], scale, causal)
+            q[:, rows], k_cache[:, :, one], v_cache[:, :, one], cu_query_lens, seq_lens[:, head],
+            block_tables[:, head], scale, causal, head_host)
     return out, lse
 
 

@@ -65,20 +65,20 @@ class AttentionBackend(ABC):
             block_size=block_size,
         )
 
-    def build_head_metadata(self, query_lens: list[int], head_seq_lens: list[list[int]],
-                            head_tables: list[list[list[int]]], block_size: int, device: torch.device) -> AttentionMetadata:
+    def build_head_metadata(self, query_lens: list[int], head_seq_lens: torch.Tensor, head_tables: torch.Tensor,
+                            block_size: int, device: torch.device) -> AttentionMetadata:
         """Metadata of a block-sparse selection: per sequence and KV head its own blocks and KV length
-        (tables [B, Hk, max_blocks], seq_lens [B, Hk]); no KV is written with it."""
-        max_blocks = max(1, max(len(t) for tables in head_tables for t in tables))
-        padded = [[t + [-1] * (max_blocks - len(t)) for t in tables] for tables in head_tables]
+        (tables [B, Hk, max_blocks] padded with -1, seq_lens [B, Hk]); no KV is written with it, and its
+        block tables exist as tensors only (block_tables is empty)."""
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)
         return AttentionMetadata(
-            query_lens=query_lens, seq_lens=[max(lens) for lens in head_seq_lens], block_tables=head_tables,
+            query_lens=query_lens, seq_lens=head_seq_lens.amax(-1).tolist(), block_tables=[],
             slot_mapping=_to_device([], torch.int64, device), cu_query_lens=_to_device(cu, torch.int32, device),
-            seq_lens_tensor=_to_device(head_seq_lens, torch.int32, device),
-            block_tables_tensor=_to_device(padded, torch.int64, device), block_size=block_size,
+            seq_lens_tensor=head_seq_lens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(),
+            block_tables_tensor=head_tables.to(device=device, dtype=torch.int64, non_blocking=True),
+            block_size=block_size,
         )
 
     @abstractmethod
@@ -173,7 +173,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta, scale, host_kv=None):
         if meta.seq_lens_tensor.dim() == 2:  # per-KV-head selection: the float32 reference
-            return self.forward_with_lse(q, k_cache, v_cache, meta, scale)[0]
+            return paged_attention_reference(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
+                                             meta.block_tables_tensor, scale, host_kv=host_kv)[0]
         host_k, host_v, base = host_kv or (None, None, None)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]

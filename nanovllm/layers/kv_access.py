@@ -10,7 +10,6 @@ asks the step's block selector which blocks each KV head attends to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,8 +49,9 @@ class DeviceKV(KVAccess):
         selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
-        meta = group_metadata(self.backend, query_groups(batch, selection), k_cache.shape[2],
-                              lambda g, c: batch.block_tables[g.seq][c], self.meta.block_size, q.device)
+        groups = query_groups(batch, selection)
+        ids = groups.pool_ids([torch.tensor(t, dtype=torch.int64) for t in batch.block_tables])
+        meta = group_metadata(self.backend, groups, ids, self.meta.block_size, q.device)
         return self.backend.forward(q, k_cache, v_cache, meta, scale)
 
 
@@ -69,48 +69,69 @@ def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_h
 
 
 @dataclass
-class QueryGroup:
-    """Consecutive query rows of one sequence that attend to the same blocks: rows [start, start + count)
-    of the step, causal over the sequence's first `end` positions; mask[head][c]: block c attended."""
+class QueryGroups:
+    """The step's query rows, in order, as groups of consecutive rows of one sequence that attend to the
+    same blocks: group g is `count[g]` rows of sequence `seq[g]`, causal over its first end[g] positions;
+    mask[g, head, c]: block c of the sequence attended (False past the group's ceil(end / block_size)
+    visible blocks)."""
 
-    seq: int
-    start: int
-    count: int
-    end: int
-    mask: list[list[bool]]
+    seq: list[int]
+    count: list[int]
+    end: torch.Tensor  # [G] int64
+    visible: torch.Tensor  # [G] int64, blocks up to end
+    mask: torch.Tensor  # [G, Hk, max blocks] bool
+
+    def pool_ids(self, per_sequence: list[torch.Tensor]) -> torch.Tensor:
+        """[G, max blocks]: each group's row of per_sequence[seq] (block c -> id in a pool, -1: not there)."""
+        ids = torch.full((len(per_sequence), self.mask.shape[-1]), -1, dtype=torch.int64)
+        for i, row in enumerate(per_sequence):
+            ids[i, : row.numel()] = row[: self.mask.shape[-1]]
+        return ids[torch.tensor(self.seq, dtype=torch.int64)]
 
 
-def query_groups(batch: SelectionInput, selection: Selection) -> list[QueryGroup]:
-    """The step's query rows, in order, as groups: one per sequence for a [Hk, blocks] mask, one per query
-    block for a [Hk, query blocks, blocks] mask."""
-    groups, row, bs = [], 0, batch.block_size
+def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
+    """One group per sequence for a [Hk, blocks] mask, one per query block for [Hk, query blocks, blocks]."""
+    width = max(m.shape[-1] for m in selection)
+    seqs, counts, ends, masks = [], [], [], []
     for i, mask in enumerate(selection):
-        count, end = batch.query_lens[i], batch.seq_lens[i]
+        count, end, bs = batch.query_lens[i], batch.seq_lens[i], batch.block_size
         if mask.dim() == 2:
-            groups.append(QueryGroup(i, row, count, end, mask.tolist()))
-        else:
-            first = batch.first_query_block(i)
-            for g in range(mask.shape[1]):
-                lo, hi = max(end - count, (first + g) * bs), min(end, (first + g + 1) * bs)
-                groups.append(QueryGroup(i, row + lo - (end - count), hi - lo, hi, mask[:, g, : first + g + 1].tolist()))
-        row += count
-    return groups
+            seqs.append(i)
+            counts.append(count)
+            ends.append(end)
+            masks.append(mask[None])
+            continue
+        first, num_rows = batch.first_query_block(i), mask.shape[1]
+        upper = torch.clamp((first + torch.arange(1, num_rows + 1)) * bs, max=end)
+        lower = torch.clamp((first + torch.arange(num_rows)) * bs, min=end - count)
+        seqs += [i] * num_rows
+        counts += (upper - lower).tolist()
+        ends += upper.tolist()
+        causal = torch.arange(mask.shape[-1])[None, :] <= (first + torch.arange(num_rows))[:, None]
+        masks.append(mask.transpose(0, 1) & causal[:, None, :])
+    padded = torch.zeros(len(seqs), selection[0].shape[0], width, dtype=torch.bool)
+    row = 0
+    for m in masks:
+        padded[row : row + m.shape[0], :, : m.shape[-1]] = m
+        row += m.shape[0]
+    end = torch.tensor(ends, dtype=torch.int64)
+    return QueryGroups(seqs, counts, end, -(-end // batch.block_size), padded)
 
 
-def group_metadata(backend: AttentionBackend, groups: list[QueryGroup], num_kv_heads: int,
-                   block_of: Callable[[QueryGroup, int], int | None], block_size: int, device: torch.device,
-                   causal: bool = True) -> AttentionMetadata:
-    """Per-KV-head metadata, one "sequence" per group, over the blocks each head attends that block_of
-    names in the pool at hand (None: not in that pool). causal: dropped blocks are full and precede the
-    group's queries, so compacting them away keeps the mask right; else the kept blocks are history."""
-    query_lens, seq_lens, tables = [], [], []
-    for g in groups:
-        query_lens.append(g.count)
-        head_tables, head_lens = [], []
-        for mask in g.mask[:num_kv_heads]:
-            kept = [x for c, keep in enumerate(mask) if keep and (x := block_of(g, c)) is not None]
-            head_tables.append(kept)
-            head_lens.append(g.end - (len(mask) - len(kept)) * block_size if causal else len(kept) * block_size)
-        tables.append(head_tables)
-        seq_lens.append(head_lens)
-    return backend.build_head_metadata(query_lens, seq_lens, tables, block_size, device)
+def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: torch.Tensor, block_size: int,
+                   device: torch.device, causal: bool = True) -> AttentionMetadata:
+    """Per-KV-head metadata, one "sequence" per group, over the blocks each head attends that pool_ids
+    [G, blocks] names in the pool at hand (-1: not in that pool). causal: dropped blocks are full and
+    precede the group's queries, so compacting them away keeps the mask right; else the kept blocks are
+    history. Built with tensor operations (no loop over blocks)."""
+    keep = groups.mask & (pool_ids >= 0)[:, None, :]
+    kept = keep.sum(-1)  # [G, Hk]
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # kept blocks first, in order
+    width = max(1, int(kept.max()) if kept.numel() else 1)
+    tables = pool_ids[:, None, :].expand_as(keep).gather(-1, order[..., :width])
+    tables = torch.where(torch.arange(width) < kept[..., None], tables, -1)
+    if causal:
+        lengths = groups.end[:, None] - (groups.visible[:, None] - kept) * block_size
+    else:
+        lengths = kept * block_size
+    return backend.build_head_metadata(groups.count, lengths, tables, block_size, device)

@@ -12,6 +12,7 @@ import torch
 from nanovllm.engine.kv_cache import PagedKVCache
 
 RING_SLOTS = 2
+RING_BASE = 1 << 40  # block-table entries >= RING_BASE name blocks of the kernel's second pool (ring or host)
 RING_SLOT_BYTES = 256 * 2**20  # per slot; a 128-block slot of Llama-8B-shaped KV (1 MiB per block and layer)
 
 
@@ -41,9 +42,11 @@ class TransferStats:
 
 class HostKVPool:
     """The host pool [2, layers, host blocks, block_size, Hk, D] (pinned on CUDA), the ring
-    [2, RING_SLOTS, ring_blocks, block_size, Hk, D] on the device, and the h2d / d2h copy streams."""
+    [2, RING_SLOTS, ring_blocks, block_size, Hk, D] on the device, and the h2d / d2h copy streams.
+    mirrored_layers: the first layers' host blocks also kept on the device ([2, mirrored_layers, host
+    blocks, ...], `mirror`), for layers that always read every block (a sparse policy's dense layers)."""
 
-    def __init__(self, kv_cache: PagedKVCache, num_host_blocks: int, ring_blocks: int):
+    def __init__(self, kv_cache: PagedKVCache, num_host_blocks: int, ring_blocks: int, mirrored_layers: int = 0):
         data = kv_cache.data
         _, num_layers, _, block_size, num_kv_heads, head_dim = data.shape
         self.device = data.device
@@ -56,6 +59,8 @@ class HostKVPool:
                                 pin_memory=pin)
         self.ring = torch.empty(2, RING_SLOTS, ring_blocks, block_size, num_kv_heads, head_dim, dtype=data.dtype,
                                 device=self.device)
+        self.mirror = torch.empty(2, min(mirrored_layers, num_layers), num_host_blocks, block_size, num_kv_heads,
+                                  head_dim, dtype=data.dtype, device=self.device)
         self.h2d_stream = torch.cuda.Stream(self.device) if pin else None
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
         self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
@@ -66,6 +71,10 @@ class HostKVPool:
         return self.h2d_stream is not None
 
     @property
+    def mirrored_layers(self) -> int:
+        return self.mirror.shape[1]
+
+    @property
     def num_host_blocks(self) -> int:
         return self.host.shape[2]
 
@@ -74,12 +83,15 @@ class HostKVPool:
         return self.host[:, 0, 0].numel() * self.host.element_size()
 
     def copy_out(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
-        """Copy one layer's (device start, host start, n) runs to the host pool on the current stream."""
+        """Copy one layer's (device start, host start, n) runs to the host pool (and the mirror) on the
+        current stream."""
         device_kv = self.device_cache.data
+        targets = [self.host] + ([self.mirror] if layer < self.mirrored_layers else [])
         for device_start, host_start, n in runs:
             for kv in range(2):
-                self.host[kv, layer, host_start : host_start + n].copy_(
-                    device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
+                for target in targets:
+                    target[kv, layer, host_start : host_start + n].copy_(
+                        device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
         self.count("d2h", n=2 * len(runs), blocks=sum(r[2] for r in runs))
 
     def copy_in(self, layer: int, slot: int, runs: list[tuple[int, int, int]]) -> None:

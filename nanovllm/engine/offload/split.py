@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, consecutive_runs
+from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool, consecutive_runs
+from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import BlockSelector, SelectionInput, SparseStats
-from nanovllm.layers.kv_access import KVAccess, QueryGroup, group_metadata, query_groups, select_blocks
+from nanovllm.layers.kv_access import KVAccess, QueryGroups, group_metadata, query_groups, select_blocks
 
 
 @dataclass
@@ -187,6 +188,7 @@ class SplitKV(_OffloadKV):
         self.host_tables = [[b for b, h in zip(t, f) if h] for t, f in zip(block_tables, on_host)]
         # A dense selector reads the same pieces in every layer: planned once, prefetched on the copy stream.
         self.pieces = self._pieces(self.host_tables) if selector.dense else []
+        self.host_meta: AttentionMetadata | None = None
 
     def _pieces(self, host_tables: list[list[int]]) -> list[HistoryPiece]:
         bs, q_lens = self.pool.block_size, self.batch.query_lens
@@ -217,6 +219,12 @@ class SplitKV(_OffloadKV):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         self.backend.forward_with_lse(q, k_cache, v_cache, self.meta, scale, out=(out, lse))
+        if not self.selector.dense and layer < self.pool.mirrored_layers:  # its host blocks are on the device too
+            if not any(self.host_tables):
+                return out.to(q.dtype)
+            self.backend.history_attention(q, self.pool.mirror[0, layer], self.pool.mirror[1, layer],
+                                           self._host_meta(), scale, (out, lse))
+            return out.to(q.dtype)
         if not self.selector.dense:  # this layer reads every host block, copied now (nothing was prefetched)
             return self._attend_all_now(layer, q, scale, out, lse)
         for p, piece in enumerate(self.pieces):
@@ -231,6 +239,14 @@ class SplitKV(_OffloadKV):
                 self._fill_unit(unit + RING_SLOTS)
         return out.to(q.dtype)
 
+    def _host_meta(self) -> AttentionMetadata:
+        """Attention over every host block, tables of host ids (for the mirrored layers)."""
+        if self.host_meta is None:
+            bs = self.pool.block_size
+            self.host_meta = self.backend.build_metadata(self.batch.query_lens, [len(t) * bs for t in self.host_tables],
+                                                         self.host_tables, [], bs, self.pool.device)
+        return self.host_meta
+
     def _attend_all_now(self, layer: int, q, scale, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Every host block of this layer, piece by piece through ring slot 0, merged into (out, lse)."""
         if self.stats is not None:
@@ -244,34 +260,48 @@ class SplitKV(_OffloadKV):
         return out.to(q.dtype)
 
     def _attend_selected(self, layer: int, q, k_cache, v_cache, selection, scale) -> torch.Tensor:
-        """Per KV head over its selected blocks; this layer copies the union of the heads' host blocks."""
-        bs, num_kv_heads = self.pool.block_size, k_cache.shape[2]
+        """Per KV head over its selected blocks. Decode rows on CUDA read their selected host blocks in
+        place (no copy, no host sync); otherwise this layer copies the union of the heads' host blocks
+        through the ring."""
         groups = query_groups(self.batch, selection)
-        wanted_sets: list[set[int]] = [set() for _ in self.block_tables]
-        for g in groups:
-            flags = self.on_host[g.seq]
-            wanted_sets[g.seq].update(c for c in range(len(g.mask[0])) if flags[c] and any(m[c] for m in g.mask))
-        wanted = [[self.block_tables[i][c] for c in sorted(cs)] for i, cs in enumerate(wanted_sets)]
+        if max(self.batch.query_lens) == 1:
+            return self._attend_in_place(layer, q, k_cache, v_cache, groups, scale)
+        bs, tables = self.pool.block_size, [torch.tensor(t, dtype=torch.int64) for t in self.block_tables]
+        host = [torch.tensor(f, dtype=torch.bool) for f in self.on_host]
+        attended = torch.zeros(len(tables), groups.mask.shape[-1], dtype=torch.int32).index_add_(
+            0, torch.tensor(groups.seq), groups.mask.any(1).int()) > 0
+        wanted = [t[attended[i, : t.numel()] & h].tolist() for i, (t, h) in enumerate(zip(tables, host))]
         if self.stats is not None:
             for i, blocks in enumerate(wanted):
                 self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-
-        def on_device(g: QueryGroup, c: int) -> int | None:
-            return None if self.on_host[g.seq][c] else self.block_tables[g.seq][c]
-
-        meta = group_metadata(self.backend, groups, num_kv_heads, on_device, bs, q.device)
-        self.backend.forward_with_lse(q, k_cache, v_cache, meta, scale, out=(out, lse))
+        on_device = groups.pool_ids([torch.where(h, -1, t) for t, h in zip(tables, host)])
+        self.backend.forward_with_lse(q, k_cache, v_cache, group_metadata(self.backend, groups, on_device, bs, q.device),
+                                      scale, out=(out, lse))
         for runs, _ in pack(wanted, self.pool.ring_blocks):
             self._fill(layer, 0, runs, -1)
             self._wait_copied(-1)
-            where = {host + j: position + j for host, position, n in runs for j in range(n)}  # host id -> ring position
-
-            def in_ring(g: QueryGroup, c: int) -> int | None:
-                return where.get(self.block_tables[g.seq][c]) if self.on_host[g.seq][c] else None
-
-            meta = group_metadata(self.backend, groups, num_kv_heads, in_ring, bs, q.device, causal=False)
+            ring_position = torch.full((self.pool.num_host_blocks,), -1, dtype=torch.int64)
+            for host_start, position, n in runs:
+                ring_position[host_start : host_start + n] = torch.arange(position, position + n)
+            in_ring = groups.pool_ids([torch.where(h, ring_position[t], -1) for t, h in zip(tables, host)])
+            meta = group_metadata(self.backend, groups, in_ring, bs, q.device, causal=False)
             self.backend.history_attention(q, self.pool.ring[0, 0], self.pool.ring[1, 0], meta, scale, (out, lse))
             self._free_slot(0)
         return out.to(q.dtype)
+
+    def _attend_in_place(self, layer: int, q, k_cache, v_cache, groups: QueryGroups, scale) -> torch.Tensor:
+        """Decode rows: one kernel over each head's selected blocks, host ones read from pinned memory."""
+        per_sequence = [torch.where(torch.tensor(f, dtype=torch.bool), RING_BASE + torch.tensor(t), torch.tensor(t))
+                        for t, f in zip(self.block_tables, self.on_host)]
+        ids = groups.pool_ids(per_sequence)
+        head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
+        host_blocks = (groups.mask & (ids >= RING_BASE)[:, None, :]).sum((1, 2)).tolist()
+        self.pool.stats.h2d_bytes += sum(host_blocks) * head_bytes
+        if self.stats is not None:
+            for seq, n in zip(groups.seq, host_blocks):
+                self.stats.host_bytes[seq] += n * head_bytes
+        meta = group_metadata(self.backend, groups, ids, self.pool.block_size, q.device)
+        host_kv = HostKV(self.pool.host[0, layer], self.pool.host[1, layer], RING_BASE)
+        return self.backend.forward(q, k_cache, v_cache, meta, scale, host_kv=host_kv)

@@ -13,14 +13,13 @@ import torch
 
 from nanovllm.engine import graph_copies
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, consecutive_runs
+from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool, consecutive_runs
 from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.kv_access import KVAccess
 
 COPIES_PER_LAYER = 4  # copy nodes per layer and K/V in a decode graph: more runs of host blocks go the split way
 MIN_COPY_BYTES = 2**20  # runs are not cut into copies shorter than this (small copies run far below PCIe speed)
-RING_BASE = 1 << 40  # block-table entries >= RING_BASE name ring positions (the kernel's second pool)
 
 
 def split_runs(runs: list[tuple[int, int, int]], copies: int, min_blocks: int = 1) -> list[tuple[int, int, int]] | None:
