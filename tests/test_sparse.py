@@ -219,6 +219,20 @@ def test_xattention_selection_equals_brute_force(seq_len, n_q, granule):
         assert not got.all()  # it is sparse
 
 
+@pytest.mark.parametrize("chunk", [16, 48, 64])
+def test_xattention_estimate_in_query_chunks_equals_one_pass(chunk):
+    """The estimate takes queries in chunks of whole granules (long contexts): the same masses as one pass."""
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    g = torch.Generator().manual_seed(chunk)
+    keys, q = torch.randn(150, 2, 16, generator=g), torch.randn(120, 4, 16, generator=g)
+    selector = XAttentionSelector(None, None, threshold=0.8, stride=4, block_size=16, min_context=0)
+    one_pass, first = selector.granule_mass(q, keys, 16, chunk=10**6)
+    chunked, first_chunked = selector.granule_mass(q, keys, 16, chunk=chunk)
+    assert first == first_chunked == 1
+    torch.testing.assert_close(chunked, one_pass, atol=1e-6, rtol=1e-6)
+
+
 def xattn_llm(path, **options) -> LLM:
     opts = dict(kvcache_block_size=BS, device="cpu", sparse_policy="xattention", sparse_min_context=0,
                 xattn_block_size=16, xattn_stride=4, max_num_batched_tokens=64)

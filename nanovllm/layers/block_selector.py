@@ -91,11 +91,19 @@ class SparseStats:
                 self.decode[i][1] += n * num_kv_heads
                 continue
             visible = sum(range(first + 1, n + 1)) * num_kv_heads  # query block b sees KV blocks 0..b
-            mask = None if selection is None else selection[i]
-            kept = visible if mask is None else sum(
-                int((mask if mask.dim() == 2 else mask[:, b - first])[:, : b + 1].sum()) for b in range(first, n))
-            self.prefill[i][0] += kept
+            self.prefill[i][0] += visible if selection is None else prefill_pairs(selection[i], first, n)
             self.prefill[i][1] += visible
+
+
+def prefill_pairs(mask: torch.Tensor, first: int, n: int) -> int:
+    """(query block, KV block) pairs a prefill mask attends, over the query blocks first..n-1 (block b sees
+    KV blocks 0..b): a [Hk, blocks] mask is shared by every query block, [Hk, query blocks, blocks] is not."""
+    columns = torch.arange(n, device=mask.device)
+    if mask.dim() == 2:
+        rows_seeing = (n - torch.clamp(columns, min=first)).to(torch.int64)  # query blocks >= max(c, first)
+        return int((mask.to(torch.int64) * rows_seeing).sum())
+    causal = columns[None, :] <= (first + torch.arange(n - first, device=mask.device))[:, None]
+    return int((mask & causal).sum())
 
 
 _SELECTORS: dict[str, type[BlockSelector]] = {}

@@ -86,12 +86,12 @@ class QueryGroups:
         ids = torch.full((len(per_sequence), self.mask.shape[-1]), -1, dtype=torch.int64)
         for i, row in enumerate(per_sequence):
             ids[i, : row.numel()] = row[: self.mask.shape[-1]]
-        return ids[torch.tensor(self.seq, dtype=torch.int64)]
+        return ids[torch.tensor(self.seq, dtype=torch.int64)].to(self.mask.device, non_blocking=True)
 
 
 def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
     """One group per sequence for a [Hk, blocks] mask, one per query block for [Hk, query blocks, blocks]."""
-    width = max(m.shape[-1] for m in selection)
+    width, device = max(m.shape[-1] for m in selection), selection[0].device
     seqs, counts, ends, masks = [], [], [], []
     for i, mask in enumerate(selection):
         count, end, bs = batch.query_lens[i], batch.seq_lens[i], batch.block_size
@@ -99,7 +99,7 @@ def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
             seqs.append(i)
             counts.append(count)
             ends.append(end)
-            masks.append(mask[None])
+            masks.append(mask[None].to(device))
             continue
         first, num_rows = batch.first_query_block(i), mask.shape[1]
         upper = torch.clamp((first + torch.arange(1, num_rows + 1)) * bs, max=end)
@@ -107,14 +107,15 @@ def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
         seqs += [i] * num_rows
         counts += (upper - lower).tolist()
         ends += upper.tolist()
-        causal = torch.arange(mask.shape[-1])[None, :] <= (first + torch.arange(num_rows))[:, None]
-        masks.append(mask.transpose(0, 1) & causal[:, None, :])
-    padded = torch.zeros(len(seqs), selection[0].shape[0], width, dtype=torch.bool)
+        causal = torch.arange(mask.shape[-1], device=device)[None, :] <= \
+            (first + torch.arange(num_rows, device=device))[:, None]
+        masks.append(mask.to(device).transpose(0, 1) & causal[:, None, :])
+    padded = torch.zeros(len(seqs), selection[0].shape[0], width, dtype=torch.bool, device=device)
     row = 0
     for m in masks:
         padded[row : row + m.shape[0], :, : m.shape[-1]] = m
         row += m.shape[0]
-    end = torch.tensor(ends, dtype=torch.int64)
+    end = torch.tensor(ends, dtype=torch.int64, device=device)
     return QueryGroups(seqs, counts, end, -(-end // batch.block_size), padded)
 
 
@@ -129,7 +130,7 @@ def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: tor
     order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # kept blocks first, in order
     width = max(1, int(kept.max()) if kept.numel() else 1)
     tables = pool_ids[:, None, :].expand_as(keep).gather(-1, order[..., :width])
-    tables = torch.where(torch.arange(width) < kept[..., None], tables, -1)
+    tables = torch.where(torch.arange(width, device=keep.device) < kept[..., None], tables, -1)
     if causal:
         lengths = groups.end[:, None] - (groups.visible[:, None] - kept) * block_size
     else:

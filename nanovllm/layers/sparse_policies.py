@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from nanovllm.engine.kv_cache import PagedKVCache
 
 QUEST_PAGE_SIZE = 16
+ESTIMATE_CHUNK = 8192  # XAttention's estimate takes queries in chunks of about this many tokens
 
 
 class QuestSelector(BlockSelector):
@@ -87,7 +88,7 @@ class XAttentionSelector(BlockSelector):
         for i in range(len(batch.seq_lens)):
             n = batch.num_blocks(i)
             if batch.query_lens[i] == 1 or batch.seq_lens[i] < self.min_context:
-                masks.append(torch.ones(num_kv_heads, n, dtype=torch.bool))
+                masks.append(torch.ones(num_kv_heads, n, dtype=torch.bool, device=q.device))
                 continue
             keys = self._keys(layer, batch, i)
             masks.append(self.sequence_selection(q[batch.query_rows(i)], keys, batch.block_size))
@@ -110,24 +111,39 @@ class XAttentionSelector(BlockSelector):
 
     def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor, kv_block: int) -> torch.Tensor:
         """q [n_q, Hq, D] (the last n_q of seq_len positions), keys [seq_len, Hk, D] -> bool
-        [Hk, query blocks, blocks] at KV-block granularity."""
-        seq_len, num_kv_heads = keys.shape[:2]
+        [Hk, query blocks, blocks] at KV-block granularity, on q's device."""
+        seq_len = keys.shape[0]
         granule = max(kv_block, self.block_size)
-        mass, first_tile = antidiagonal_mass(q, keys, self.stride)  # [Hk, T, U]
-        tiles_q = (first_tile + torch.arange(mass.shape[1])) * self.stride // granule
-        tiles_k = torch.arange(mass.shape[2]) * self.stride // granule
-        first_granule = int(tiles_q[0])
-        per_key = torch.zeros(num_kv_heads, mass.shape[1], int(tiles_k[-1]) + 1).index_add_(2, tiles_k, mass.cpu())
-        blocks = torch.zeros(num_kv_heads, int(tiles_q[-1]) - first_granule + 1, per_key.shape[2])
-        blocks.index_add_(1, tiles_q - first_granule, per_key)
+        blocks, first_granule = self.granule_mass(q, keys, granule)
         keep = self._fewest_covering(blocks)
-        rows = torch.arange(keep.shape[1])
+        rows = torch.arange(keep.shape[1], device=keep.device)
         keep[:, rows, first_granule + rows] = True  # the diagonal
         keep[:, :, 0] = True  # the sink
         n, first_block = -(-seq_len // kv_block), (seq_len - q.shape[0]) // kv_block
-        query_granules = torch.arange(first_block, n) * kv_block // granule - first_granule
-        key_granules = torch.arange(n) * kv_block // granule
+        query_granules = torch.arange(first_block, n, device=keep.device) * kv_block // granule - first_granule
+        key_granules = torch.arange(n, device=keep.device) * kv_block // granule
         return keep[:, query_granules][:, :, key_granules]
+
+    def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int,
+                     chunk: int = ESTIMATE_CHUNK) -> tuple[torch.Tensor, int]:
+        """Estimated mass [Hk, query granules, key granules] (from the granule holding the first query) and
+        that granule's index. Queries go in chunks of whole granules, so that the scores of a chunk
+        ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles never straddle chunks."""
+        seq_len, num_kv_heads = keys.shape[:2]
+        start = seq_len - q.shape[0]
+        first_granule, num_granules = start // granule, -(-seq_len // granule)
+        out = torch.zeros(num_kv_heads, num_granules - first_granule, num_granules, device=q.device)
+        step = max(granule, chunk // granule * granule)
+        for lo in range(first_granule * granule, seq_len, step):
+            hi = min(seq_len, lo + step)
+            rows = slice(max(lo, start) - start, hi - start)
+            mass, first_tile = antidiagonal_mass(q[rows], keys[:hi], self.stride)  # [Hk, T, U]
+            tiles_q = (first_tile + torch.arange(mass.shape[1], device=q.device)) * self.stride // granule
+            tiles_k = torch.arange(mass.shape[2], device=q.device) * self.stride // granule
+            per_key = torch.zeros(num_kv_heads, mass.shape[1], num_granules, device=q.device)
+            per_key.index_add_(2, tiles_k, mass.float())
+            out.index_add_(1, tiles_q - first_granule, per_key)
+        return out, first_granule
 
     def _fewest_covering(self, blocks: torch.Tensor) -> torch.Tensor:
         """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""
@@ -149,16 +165,20 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int) -> tuple
     start = seq_len - n_q
     first_tile, num_key_tiles = start // stride, -(-seq_len // stride)
     num_query_tiles = num_key_tiles - first_tile
-    queries = q.new_zeros(num_query_tiles * stride, num_heads, dim, dtype=torch.float32)
-    queries[start - first_tile * stride : start - first_tile * stride + n_q] = q.float()
-    padded_keys = keys.new_zeros(num_key_tiles * stride, num_kv_heads, dim, dtype=torch.float32)
-    padded_keys[:seq_len] = keys.float()
-    q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, num_heads // num_kv_heads, dim).flip(1)
-    k_tiles = padded_keys.view(num_key_tiles, stride, num_kv_heads, dim)
-    scores = torch.einsum("tjkgd,ujkd->kgtu", q_tiles, k_tiles) / (dim**0.5 * stride)
+    work = q.dtype if q.is_cuda else torch.float32  # half-precision matmuls on the tensor cores
+    queries = q.new_zeros(num_query_tiles * stride, num_heads, dim, dtype=work)
+    queries[start - first_tile * stride : start - first_tile * stride + n_q] = q.to(work) / (dim**0.5 * stride)
+    padded_keys = keys.new_zeros(num_key_tiles * stride, num_kv_heads, dim, dtype=work)
+    padded_keys[:seq_len] = keys.to(work)
+    group = num_heads // num_kv_heads
+    q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim).flip(1)
+    q_rows = q_tiles.permute(2, 3, 0, 1, 4).reshape(num_kv_heads, group * num_query_tiles, stride * dim)
+    k_rows = padded_keys.view(num_key_tiles, stride, num_kv_heads, dim).permute(2, 0, 1, 3).reshape(
+        num_kv_heads, num_key_tiles, stride * dim)
+    scores = torch.bmm(q_rows, k_rows.transpose(1, 2)).view(num_kv_heads, group, num_query_tiles, num_key_tiles)
     visible = torch.arange(num_key_tiles, device=q.device)[None, :] <= \
         (first_tile + torch.arange(num_query_tiles, device=q.device))[:, None]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    probs = scores.float().masked_fill_(~visible, float("-inf")).softmax(-1)
     return probs.sum(1), first_tile
 
 

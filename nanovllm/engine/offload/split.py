@@ -269,7 +269,7 @@ class SplitKV(_OffloadKV):
         bs, tables = self.pool.block_size, [torch.tensor(t, dtype=torch.int64) for t in self.block_tables]
         host = [torch.tensor(f, dtype=torch.bool) for f in self.on_host]
         attended = torch.zeros(len(tables), groups.mask.shape[-1], dtype=torch.int32).index_add_(
-            0, torch.tensor(groups.seq), groups.mask.any(1).int()) > 0
+            0, torch.tensor(groups.seq), groups.mask.any(1).int().cpu()) > 0
         wanted = [t[attended[i, : t.numel()] & h].tolist() for i, (t, h) in enumerate(zip(tables, host))]
         if self.stats is not None:
             for i, blocks in enumerate(wanted):
@@ -297,7 +297,7 @@ class SplitKV(_OffloadKV):
                         for t, f in zip(self.block_tables, self.on_host)]
         ids = groups.pool_ids(per_sequence)
         head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
-        host_blocks = (groups.mask & (ids >= RING_BASE)[:, None, :]).sum((1, 2)).tolist()
+        host_blocks = (groups.mask & (ids >= RING_BASE)[:, None, :]).sum((1, 2)).tolist()  # per group
         self.pool.stats.h2d_bytes += sum(host_blocks) * head_bytes
         if self.stats is not None:
             for seq, n in zip(groups.seq, host_blocks):
