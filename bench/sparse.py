@@ -1,0 +1,213 @@
+"""Block-sparse attention on a Llama-3.1-8B shape (random bf16 weights), peers in the same process:
+
+- prefill attention, one layer: XAttention (estimate, selection and the block-sparse kernel, the KV
+  write included) against our dense causal kernel and torch SDPA (cuDNN / flash, the faster), at each
+  context. Random weights give near-uniform attention, where no block can be skipped; the inputs are
+  therefore shaped: per KV head a random 15% of the key blocks carry the head's query direction, so
+  the estimate finds a sparse mass (the density it selects is printed beside the speed);
+- decode with KV offloaded (the device KV blocks of bench/offload.py's 24 GB-card budget; Quest's key
+  bounds and its dense layers' device mirror come on top and are printed): Quest at token budgets 2048 and 4096 against dense offload, on the same
+  prefilled sequences (the selector is swapped between timings); host bytes per step, the PCIe floor of
+  those bytes and the GB/s achieved;
+- GPU-only decode, Quest against dense, same sequences.
+
+    PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
+        [--skip-prefill] [--skip-offload] [--skip-gpu-only]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from common import HERE, cuda_ms, log, require_cuda, save_results
+from offload import ACTIVATION_GIB, CARD_GIB, measure_h2d_bandwidth, parse_cases, random_prompts, release_memory, \
+    time_decode
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.layers.attention import get_attention_backend
+from nanovllm.layers.block_selector import DenseSelector
+from nanovllm.layers.kv_access import DeviceKV
+from nanovllm.layers.sparse_policies import XAttentionSelector
+
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 256
+HOT_SHARE = 0.15  # share of key blocks per KV head that carry its query direction
+
+
+def shaped_inputs(context: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, 32, 128], k, v [T, 8, 128] in bf16: per KV head, keys of a random HOT_SHARE of the 128-token
+    blocks (and queries everywhere) lean towards one direction, so a few blocks hold most of the mass."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    direction = F.normalize(torch.randn(KV_HEADS, DIM, device="cuda", generator=g), dim=-1) * 6
+    blocks = -(-context // 128)
+    hot = (torch.rand(KV_HEADS, blocks, device="cuda", generator=g) < HOT_SHARE).repeat_interleave(128, 1)[:, :context]
+    k = torch.randn(context, KV_HEADS, DIM, device="cuda", generator=g) + hot.T[..., None] * direction
+    q = torch.randn(context, KV_HEADS, HEADS // KV_HEADS, DIM, device="cuda", generator=g) + direction[:, None] * 0.5
+    v = torch.randn(context, KV_HEADS, DIM, device="cuda", generator=g)
+    return q.flatten(1, 2).bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def sdpa_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[float, str]:
+    """The faster of torch SDPA's cuDNN and flash backends on the same causal attention (GQA expanded)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt = q.transpose(0, 1)[None]
+    kt = k.transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)[None]
+    vt = v.transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)[None]
+    best = (float("inf"), "none")
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                ms = cuda_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale), 3)
+            best = min(best, (ms, backend.name))
+        except RuntimeError as e:
+            log(f"  SDPA {backend.name}: not available ({str(e).splitlines()[0][:80]})")
+    return best
+
+
+def prefill_attention(context: int, threshold: float, stride: int) -> dict:
+    """One layer's prefill attention over a paged cache of `context` tokens, dense and XAttention."""
+    q, k, v = shaped_inputs(context, seed=context)
+    blocks = -(-context // BLOCK)
+    cache = PagedKVCache(1, blocks, BLOCK, KV_HEADS, DIM, torch.bfloat16, torch.device("cuda"))
+    backend = get_attention_backend("triton")
+    table = torch.randperm(blocks).tolist()  # a fragmented paged layout
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)]
+    meta = backend.build_metadata([context], [context], [table], slots, BLOCK, torch.device("cuda"))
+    scale = DIM**-0.5
+    selector = XAttentionSelector(cache, None, threshold, stride, 128, min_context=0)
+    dense = DeviceKV(cache, backend, meta, DenseSelector())
+    sparse = DeviceKV(cache, backend, meta, selector)
+    dense_ms = cuda_ms(lambda: dense.attend(0, q, k, v, scale), 3)
+    sparse_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
+    estimate_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
+    selection = selector.select(0, q, KV_HEADS, sparse_batch(meta))[0]
+    n = selection.shape[-1]
+    causal = torch.arange(n, device=selection.device)[None, :] <= torch.arange(n, device=selection.device)[:, None]
+    density = float((selection & causal).sum() / (causal.sum() * KV_HEADS))
+    reference = dense.attend(0, q, k, v, scale).float()
+    error = float((sparse.attend(0, q, k, v, scale).float() - reference).abs().max())
+    sdpa, sdpa_name = sdpa_ms(q, k, v, scale)
+    fastest_dense = min(dense_ms, sdpa)
+    flops = 4 * HEADS * DIM * context * context / 2  # QK^T and PV over the causal half
+    result = dict(context=context, threshold=threshold, stride=stride, density=density, dense_ms=dense_ms,
+                  sdpa_ms=sdpa, sdpa_backend=sdpa_name, sparse_ms=sparse_ms, estimate_ms=estimate_ms,
+                  speedup_vs_fastest_dense=fastest_dense / sparse_ms, dense_tflops=flops / dense_ms / 1e9,
+                  max_abs_error_vs_dense=error)
+    log(f"prefill attention {context}: dense {dense_ms:.1f} ms ({result['dense_tflops']:.0f} TFLOP/s), SDPA "
+        f"{sdpa_name} {sdpa:.1f} ms; XAttention {sparse_ms:.1f} ms (estimate {estimate_ms:.1f}) at density "
+        f"{density:.3f} -> {result['speedup_vs_fastest_dense']:.2f}x the fastest dense; max |diff| {error:.3f}")
+    return result
+
+
+def sparse_batch(meta):
+    from nanovllm.layers.block_selector import SelectionInput
+
+    return SelectionInput(meta.query_lens, meta.seq_lens, meta.block_size, meta.block_tables)
+
+
+def prefill_requests(llm: LLM, prompts: list[list[int]], decode_steps: int) -> list[str]:
+    """Run until every request has its first token, then two untimed decode steps; returns the ids."""
+    params = SamplingParams(temperature=0, max_tokens=10 * decode_steps + len(prompts) * 40, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(o.request_id for o in llm.step())
+    for _ in range(2):
+        llm.step()
+    return ids
+
+
+def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None) -> dict:
+    """ms per step with dense attention and with Quest at each budget, on the running requests."""
+    selector = llm.runner.worker.selector
+    out = {}
+    for name, budget in [("dense", None)] + [(f"quest_{b}", b) for b in budgets]:
+        if budget is None:
+            llm.runner.set_block_selector(DenseSelector())
+            llm.runner.staged_decode = False  # no graphs were captured for a sparse engine: eager split offload
+        else:
+            selector.token_budget = budget
+            llm.runner.set_block_selector(selector)
+        llm.step()  # untimed: compiles what this selection needs
+        r = time_decode(llm, steps)
+        if h2d and r["host_bytes_per_step"]:
+            floor = 1e3 * r["host_bytes_per_step"] / h2d
+            r.update(pcie_floor_ms=floor, vs_floor=r["decode_ms"] / floor,
+                     achieved_gbs=r["host_bytes_per_step"] / r["decode_ms"] / 1e6)
+        out[name] = r
+    for name, r in out.items():
+        if name != "dense":
+            r["speedup_vs_dense"] = out["dense"]["decode_ms"] / r["decode_ms"]
+        log(f"  {name}: {r['decode_ms']:.1f} ms/step, host {r['host_bytes_per_step'] / 1e6:.0f} MB/step"
+            + (f", floor {r['pcie_floor_ms']:.1f} ms -> {r['vs_floor']:.2f}x, {r['achieved_gbs']:.1f} GB/s"
+               if "pcie_floor_ms" in r else "")
+            + (f", {r['speedup_vs_dense']:.1f}x dense" if "speedup_vs_dense" in r else ""))
+    return out
+
+
+def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, offload: bool, h2d: float | None) -> list:
+    probe = LLM(config, num_gpu_blocks=1, load_format="dummy", enforce_eager=True)
+    max_len, vocab = probe.config.max_model_len, probe.config.hf_config["vocab_size"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
+    block_bytes, layers = probe.runner.bytes_per_block, probe.config.hf_config["num_hidden_layers"]
+    probe = None
+    release_memory()
+    parsed = parse_cases(cases, max_len, steps)
+    options = dict(load_format="dummy", max_model_len=max_len, sparse_policy="quest", quest_token_budget=budgets[0])
+    if offload:
+        host_blocks = max(b * (c + 20 * steps) for b, c in parsed) // 256 + 16
+        device_gib = CARD_GIB - weight_bytes / 2**30 - ACTIVATION_GIB
+        options.update(num_gpu_blocks=int(device_gib * 2**30 // block_bytes), enable_cpu_offload=True,
+                       cpu_kv_cache_gb=host_blocks * block_bytes / 2**30)
+        mirror = host_blocks * 2 * block_bytes / layers  # quest_dense_layers = 2: their host blocks on the GPU too
+        bounds = (host_blocks + options["num_gpu_blocks"]) * block_bytes / 16  # min and max keys per 16 tokens
+        log(f"offload: {options['num_gpu_blocks']} device blocks, host pool {options['cpu_kv_cache_gb']:.1f} GiB; "
+            f"on top: mirror {mirror / 2**30:.1f} GiB, key bounds {bounds / 2**30:.1f} GiB")
+    llm = LLM(config, **options)
+    results = []
+    for batch, context in parsed:
+        ids = prefill_requests(llm, random_prompts(vocab, batch, context, context + batch), steps)
+        log(f"{'offload' if offload else 'GPU-only'} decode {batch}x{context}:")
+        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d)))
+        for request_id in ids:
+            llm.abort_request(request_id)
+    llm = None
+    release_memory()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(HERE / "configs" / "llama-3.1-8b"))
+    ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--stride", type=int, default=16)
+    ap.add_argument("--decode-cases", nargs="+", default=["1x131072", "4x131072"])
+    ap.add_argument("--gpu-only-cases", nargs="+", default=["1x131072", "4x131072"])
+    ap.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096])
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-offload", action="store_true")
+    ap.add_argument("--skip-gpu-only", action="store_true")
+    args = ap.parse_args()
+    require_cuda()
+    results: dict = {}
+    if not args.skip_prefill:
+        results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride) for c in args.contexts]
+        release_memory()
+    if not args.skip_offload:
+        h2d = measure_h2d_bandwidth()
+        log(f"pinned host->device bandwidth: {h2d / 1e9:.1f} GB/s")
+        results["h2d_bandwidth_gbs"] = h2d / 1e9
+        results["offload_decode"] = decode_cases(args.config, args.decode_cases, args.budgets, args.decode_steps,
+                                                 True, h2d)
+    if not args.skip_gpu_only:
+        results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
+                                                  False, None)
+    save_results("sparse", results)
+
+
+if __name__ == "__main__":
+    main()
