@@ -109,7 +109,7 @@ def sparse_batch(meta):
 
 def prefill_requests(llm: LLM, prompts: list[list[int]], decode_steps: int) -> list[str]:
     """Run until every request has its first token, then two untimed decode steps; returns the ids."""
-    params = SamplingParams(temperature=0, max_tokens=10 * decode_steps + len(prompts) * 40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6 * decode_steps + len(prompts) * 8, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     started: set[str] = set()
     while len(started) < len(ids):
@@ -157,9 +157,9 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     parsed = parse_cases(cases, max_len, steps)
     options = dict(load_format="dummy", max_model_len=max_len, sparse_policy="quest", quest_token_budget=budgets[0])
     if offload:
-        host_blocks = max(b * (c + 20 * steps) for b, c in parsed) // 256 + 16
-        device_gib = CARD_GIB - weight_bytes / 2**30 - ACTIVATION_GIB
-        options.update(num_gpu_blocks=int(device_gib * 2**30 // block_bytes), enable_cpu_offload=True,
+        device_blocks = int((CARD_GIB - weight_bytes / 2**30 - ACTIVATION_GIB) * 2**30 // block_bytes)
+        host_blocks = max(b * (c + 12 * steps) for b, c in parsed) // 256 + 8 - device_blocks
+        options.update(num_gpu_blocks=device_blocks, enable_cpu_offload=True,
                        cpu_kv_cache_gb=host_blocks * block_bytes / 2**30)
         mirror = host_blocks * 2 * block_bytes / layers  # quest_dense_layers = 2: their host blocks on the GPU too
         bounds = (host_blocks + options["num_gpu_blocks"]) * block_bytes / 16  # min and max keys per 16 tokens
