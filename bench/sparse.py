@@ -109,7 +109,8 @@ def sparse_batch(meta):
 
 def prefill_requests(llm: LLM, prompts: list[list[int]], decode_steps: int) -> list[str]:
     """Run until every request has its first token, then two untimed decode steps; returns the ids."""
-    params = SamplingParams(temperature=0, max_tokens=6 * decode_steps + len(prompts) * 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8 * decode_steps + sum(map(len, prompts)) // 4096 + 16,
+                            ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     started: set[str] = set()
     while len(started) < len(ids):
@@ -158,7 +159,7 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     options = dict(load_format="dummy", max_model_len=max_len, sparse_policy="quest", quest_token_budget=budgets[0])
     if offload:
         device_blocks = int((CARD_GIB - weight_bytes / 2**30 - ACTIVATION_GIB) * 2**30 // block_bytes)
-        host_blocks = max(b * (c + 12 * steps) for b, c in parsed) // 256 + 8 - device_blocks
+        host_blocks = max(b * (c + 320) for b, c in parsed) // 256 + 8 - device_blocks
         options.update(num_gpu_blocks=device_blocks, enable_cpu_offload=True,
                        cpu_kv_cache_gb=host_blocks * block_bytes / 2**30)
         mirror = host_blocks * 2 * block_bytes / layers  # quest_dense_layers = 2: their host blocks on the GPU too
