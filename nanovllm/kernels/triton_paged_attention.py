@@ -397,7 +397,11 @@ def paged_decode_attention(
     block_n = block_n or decode_tile_size(q.dtype, head_dim, block_size)
     if num_splits is None:
         bound = max_seq_len or block_tables.shape[-1] * block_size
-        num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
+        if host_kv is not None and host_kv.k.device.type == "cpu":
+            # reads over PCIe are latency-bound: one tile per split keeps the most reads in flight
+            num_splits = max(1, min(-(-bound // block_n), MAX_SPLITS))
+        else:
+            num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} is outside 1..{MAX_SPLITS}")
     if accumulate and out is None:
