@@ -76,6 +76,43 @@ def test_quest_selection_equals_brute_force(seed):
     assert got.sum(1).tolist() == [4, 4]  # sink + 2 + the most recent block, per KV head
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quest_decode_selection_on_the_device_equals_the_per_sequence_one(seed):
+    """A decode batch (4 sequences of different lengths, blocks on the device and the host, one below
+    min_context, one with too few blocks to drop any): decode_keep's batched masks and widths equal
+    select()'s per-sequence masks with the query blocks switched on, and its table entries name host
+    blocks by the second-pool offset."""
+    from nanovllm.layers.block_selector import DecodeLayout, with_query_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    layers, num_kv_heads, group, dim, bs = 1, 2, 3, 8, 32
+    cache = PagedKVCache(layers, 40, bs, num_kv_heads, dim, torch.float32, torch.device("cpu"))
+    bounds = BlockKeyBounds(layers, 40, 20, bs, num_kv_heads, dim, torch.device("cpu"), page_size=16)
+    cache.hooks.append(bounds)
+    seq_lens, free = [9 * bs + 5, 4 * bs + 1, 7 * bs, 12 * bs + 20], list(torch.randperm(40, generator=g).tolist())
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    for table, n in zip(tables, seq_lens):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        keys = torch.randn(n, num_kv_heads, dim, generator=g)
+        cache.write(0, keys, keys, slots)
+    on_host = [[c % 3 == 1 and c < len(t) - 1 for c in range(len(t))] for t in tables]
+    moves = [(b, 2 * i + c) for i, (t, f) in enumerate(zip(tables, on_host)) for c, (b, h) in enumerate(zip(t, f)) if h]
+    cache.moved_to_host(moves)
+    located = [[2 * i + c if h else b for c, (b, h) in enumerate(zip(t, f))] for i, (t, f) in enumerate(zip(tables, on_host))]
+    batch = SelectionInput([1] * 4, seq_lens, bs, located, on_host)
+    q = torch.randn(4, num_kv_heads * group, dim, generator=g)
+    selector = QuestSelector(bounds, token_budget=3 * bs, dense_layers=0, min_context=8 * bs)
+    want = with_query_blocks(selector.select(0, q, num_kv_heads, batch), batch)
+    layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=1000)
+    keep, widest = selector.decode_keep(0, q, num_kv_heads, layout)
+    for i, mask in enumerate(want):
+        assert torch.equal(keep[i, :, : mask.shape[1]], mask) and not keep[i, :, mask.shape[1]:].any()
+    assert widest == max(int(m.sum(1).max()) for m in want) == 7  # the sequence below min_context, all 7 blocks
+    assert [bool(m.all()) for m in want] == [False, True, True, False]  # 5 blocks = budget + sink + recent: all
+    host_entries = layout.ids[layout.on_host]
+    assert bool((host_entries >= 1000).all()) and host_entries.numel() == sum(map(sum, on_host))
+
+
 def quest_llm(path, **options) -> LLM:
     opts = dict(kvcache_block_size=BS, device="cpu", sparse_policy="quest", sparse_min_context=0, quest_dense_layers=0,
                 max_num_batched_tokens=64)

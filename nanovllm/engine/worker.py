@@ -184,6 +184,8 @@ class Worker:
         ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
         hidden = self.model(ids, as_tensor(plan.positions), kv)
         prompt_logprobs = self._prompt_logprobs(hidden, plan)
+        if sparse is not None and (in_place := sparse.resolve()):
+            self.host_pool.stats.h2d_bytes += in_place  # host KV the decode kernel read where it lies
         stats = self._dense_stats(plan) if sparse is None else self._sparse_stats(plan, sparse)
         if not plan.sample_rows:
             return None, prompt_logprobs, stats

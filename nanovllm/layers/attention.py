@@ -66,15 +66,17 @@ class AttentionBackend(ABC):
         )
 
     def build_head_metadata(self, query_lens: list[int], head_seq_lens: torch.Tensor, head_tables: torch.Tensor,
-                            block_size: int, device: torch.device) -> AttentionMetadata:
+                            block_size: int, device: torch.device,
+                            max_seq_lens: list[int] | None = None) -> AttentionMetadata:
         """Metadata of a block-sparse selection: per sequence and KV head its own blocks and KV length
         (tables [B, Hk, max_blocks] padded with -1, seq_lens [B, Hk]); no KV is written with it, and its
-        block tables exist as tensors only (block_tables is empty)."""
+        block tables exist as tensors only (block_tables is empty). max_seq_lens: per sequence a bound
+        of its heads' lengths known on the host (else read from head_seq_lens: a sync on the device)."""
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)
         return AttentionMetadata(
-            query_lens=query_lens, seq_lens=head_seq_lens.amax(-1).tolist(), block_tables=[],
+            query_lens=query_lens, seq_lens=max_seq_lens or head_seq_lens.amax(-1).tolist(), block_tables=[],
             slot_mapping=_to_device([], torch.int64, device), cu_query_lens=_to_device(cu, torch.int32, device),
             seq_lens_tensor=head_seq_lens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(),
             block_tables_tensor=head_tables.to(device=device, dtype=torch.int64, non_blocking=True),

@@ -61,3 +61,17 @@ class BlockKeyBounds:
         lo = torch.where(host, self.host_min[layer].index_select(0, host_rows), self.min[layer].index_select(0, device_rows))
         hi = torch.where(host, self.host_max[layer].index_select(0, host_rows), self.max[layer].index_select(0, device_rows))
         return lo, hi
+
+    def layout_pages(self, layer: int, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min, max) [B, max blocks * pages_per_block, Hk, D] of a decode layout's blocks' pages, from
+        the device or host rows as each block lives (padding blocks read page 0; callers mask them)."""
+        step = torch.arange(self.pages_per_block, device=layout.blocks.device)
+        pages = (layout.blocks.clamp(min=0)[..., None] * self.pages_per_block + step).flatten(1)
+        if self.host_min.shape[1] == 0:
+            return self.min[layer][pages], self.max[layer][pages]
+        host = layout.on_host.repeat_interleave(self.pages_per_block, 1)
+        device_rows, host_rows = torch.where(host, 0, pages), torch.where(host, pages, 0)
+        host = host[..., None, None]
+        lo = torch.where(host, self.host_min[layer][host_rows], self.min[layer][device_rows])
+        hi = torch.where(host, self.host_max[layer][host_rows], self.max[layer][device_rows])
+        return lo, hi

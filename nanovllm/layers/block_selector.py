@@ -44,6 +44,38 @@ class SelectionInput:
 Selection = list[torch.Tensor]  # per sequence: bool [Hk, blocks] or [Hk, query blocks, blocks], True = attend
 
 
+@dataclass
+class DecodeLayout:
+    """A decode step's blocks as device tensors, built once per step for the selectors that select on the
+    device (`BlockSelector.decode_keep`): per sequence its blocks in position order, padded to the longest.
+    blocks: ids within their pool (-1: padding); ids: the kernel's table entries (host blocks as
+    second_pool_base + id where the host pool is read in place); on_host, valid: [B, max blocks] bool;
+    seq_lens: [B] int64."""
+
+    batch: SelectionInput
+    blocks: torch.Tensor
+    ids: torch.Tensor
+    on_host: torch.Tensor
+    valid: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @classmethod
+    def build(cls, batch: SelectionInput, device: torch.device, second_pool_base: int | None = None) -> DecodeLayout:
+        width = max(batch.num_blocks(i) for i in range(len(batch.seq_lens)))
+        ids = torch.full((len(batch.seq_lens), width), -1, dtype=torch.int64)
+        on_host = torch.zeros(ids.shape, dtype=torch.bool)
+        for i, table in enumerate(batch.block_tables):
+            n = batch.num_blocks(i)
+            ids[i, :n] = torch.tensor(table[:n], dtype=torch.int64)
+            if batch.on_host is not None:
+                on_host[i, :n] = torch.tensor(batch.on_host[i][:n], dtype=torch.bool)
+        valid = torch.arange(width)[None, :] < torch.tensor([batch.num_blocks(i) for i in range(len(ids))])[:, None]
+        entries = ids if second_pool_base is None else torch.where(on_host, ids + second_pool_base, ids)
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return cls(batch, to(ids), to(entries), to(on_host), to(valid),
+                   to(torch.tensor(batch.seq_lens, dtype=torch.int64)))
+
+
 class BlockSelector(ABC):
     name: str
     dense = False  # True: select() always returns None; strategies may then use fixed, pre-planned copies
@@ -51,6 +83,14 @@ class BlockSelector(ABC):
     @abstractmethod
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         """q: [T, Hq, D] this layer's queries (post-RoPE). None: every block of every sequence."""
+
+    def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
+                    layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
+        """For a decode step (one query row per sequence), the selection made on the device without a
+        host sync: (keep [B, Hk, max blocks] bool, the most blocks any head keeps), or None for every
+        block. Equal to select() with the query blocks switched on. Selectors without it return
+        NotImplemented and are asked select() instead."""
+        return NotImplemented
 
 
 def with_query_blocks(selection: Selection, batch: SelectionInput) -> Selection:
@@ -81,6 +121,26 @@ class SparseStats:
         self.prefill = [[0, 0] for _ in range(num_seqs)]
         self.decode = [[0, 0] for _ in range(num_seqs)]
         self.host_bytes = [0] * num_seqs
+        self._on_device: list[tuple[torch.Tensor, int]] = []  # ([B, 2] kept pairs, host pairs; bytes per host pair)
+
+    def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int) -> None:
+        """Count a device-side decode selection without a sync (added up by resolve())."""
+        num_kv_heads = keep.shape[1]
+        for i in range(len(layout.batch.seq_lens)):
+            self.decode[i][1] += layout.batch.num_blocks(i) * num_kv_heads
+        host_pairs = (keep & layout.on_host[:, None, :]).sum((1, 2))
+        self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs], 1), bytes_per_host_pair))
+
+    def resolve(self) -> int:
+        """Add the device-side counts in (one sync); returns the host bytes they read."""
+        total = 0
+        for counts, per_pair in self._on_device:
+            for i, (kept, host_pairs) in enumerate(counts.tolist()):
+                self.decode[i][0] += kept
+                self.host_bytes[i] += host_pairs * per_pair
+                total += host_pairs * per_pair
+        self._on_device.clear()
+        return total
 
     def add(self, batch: SelectionInput, selection: Selection | None, num_kv_heads: int) -> None:
         for i in range(len(batch.seq_lens)):

@@ -10,14 +10,15 @@ asks the step's block selector which blocks each KV head attends to.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
-from nanovllm.layers.block_selector import (BlockSelector, DenseSelector, Selection, SelectionInput, SparseStats,
-                                            with_query_blocks)
+from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput,
+                                            SparseStats, with_query_blocks)
 
 if TYPE_CHECKING:
     from nanovllm.engine.kv_cache import PagedKVCache
@@ -38,6 +39,12 @@ class DeviceKV(KVAccess):
                  selector: BlockSelector | None = None, stats: SparseStats | None = None):
         self.cache, self.backend, self.meta = cache, backend, meta
         self.selector, self.stats = selector or DenseSelector(), stats
+        self.layout: DecodeLayout | None = None
+
+    def _layout(self, batch: SelectionInput) -> DecodeLayout:
+        if self.layout is None:
+            self.layout = DecodeLayout.build(batch, self.cache.data.device)
+        return self.layout
 
     def attend(self, layer, q, k, v, scale):
         self.cache.write(layer, k, v, self.meta.slot_mapping)
@@ -46,13 +53,58 @@ class DeviceKV(KVAccess):
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size, self.meta.block_tables,
                                stats=self.stats)
-        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], batch)
+        selection = select_for_step(self.selector, layer, q, k_cache.shape[2], batch, self._layout)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
+        if isinstance(selection, DeviceSelection):
+            return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale)
         groups = query_groups(batch, selection)
         ids = groups.pool_ids([torch.tensor(t, dtype=torch.int64) for t in batch.block_tables])
         meta = group_metadata(self.backend, groups, ids, self.meta.block_size, q.device)
         return self.backend.forward(q, k_cache, v_cache, meta, scale)
+
+
+@dataclass
+class DeviceSelection:
+    """A decode step's selection made on the device: keep [B, Hk, blocks] over layout's blocks, and the
+    most blocks any KV head keeps (the tables' width, known on the host)."""
+
+    layout: DecodeLayout
+    keep: torch.Tensor
+    widest: int
+
+
+def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput,
+                    layout_of: Callable[[SelectionInput], DecodeLayout],
+                    bytes_per_host_pair: int = 0) -> Selection | DeviceSelection | None:
+    """Decode steps go to the selector's device-side selection where it has one (no host sync per layer);
+    other steps, and selectors without it, to select_blocks. Counts go to batch.stats either way."""
+    if max(batch.query_lens) == 1:
+        layout = layout_of(batch)
+        chosen = selector.decode_keep(layer, q, num_kv_heads, layout)
+        if chosen is not NotImplemented:
+            if chosen is None:
+                if batch.stats is not None:
+                    batch.stats.add(batch, None, num_kv_heads)
+                return None
+            keep, widest = chosen
+            if batch.stats is not None:
+                batch.stats.add_decode_on_device(layout, keep, bytes_per_host_pair)
+            return DeviceSelection(layout, keep, widest)
+    return select_blocks(selector, layer, q, num_kv_heads, batch)
+
+
+def decode_metadata(backend: AttentionBackend, selection: DeviceSelection) -> AttentionMetadata:
+    """Per-KV-head decode metadata from a device selection, built on the device: each head's kept blocks in
+    position order (the most recent last, the dropped ones full and before it)."""
+    layout, keep, width = selection.layout, selection.keep, selection.widest
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+    kept = keep.sum(-1)  # [B, Hk]
+    tables = layout.ids[:, None, :].expand_as(keep).gather(-1, order)
+    tables = torch.where(torch.arange(width, device=keep.device) < kept[..., None], tables, -1)
+    lengths = layout.seq_lens[:, None] - (layout.valid.sum(1, keepdim=True) - kept) * layout.batch.block_size
+    return backend.build_head_metadata([1] * keep.shape[0], lengths, tables, layout.batch.block_size, keep.device,
+                                       max_seq_lens=layout.batch.seq_lens)
 
 
 def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.layers.block_metadata import BlockKeyBounds
-from nanovllm.layers.block_selector import BlockSelector, DenseSelector, Selection, SelectionInput
+from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput
 
 if TYPE_CHECKING:
     from nanovllm.config import EngineConfig
@@ -59,6 +59,43 @@ class QuestSelector(BlockSelector):
                 sparse = True
             masks.append(keep)
         return masks if sparse else None
+
+    def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
+                    layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
+        """select() for a decode step, on the device: one batched bound, top-k and mask, no host sync."""
+        if layer < self.dense_layers:
+            return None
+        batch, budget = layout.batch, max(1, self.token_budget // layout.batch.block_size)
+        fixed = self.sink_blocks + self.recent_blocks
+        sparse = [batch.seq_lens[i] >= self.min_context and batch.num_blocks(i) > budget + fixed
+                  for i in range(len(batch.seq_lens))]
+        if not any(sparse):
+            return None
+        scores = self.batch_block_scores(layer, q, num_kv_heads, layout)  # [B, Hk, blocks]
+        column = torch.arange(scores.shape[-1], device=scores.device)
+        num_blocks = layout.valid.sum(1, keepdim=True)  # [B, 1]
+        middle = (column >= self.sink_blocks) & (column < num_blocks - self.recent_blocks)  # [B, blocks]
+        top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1).indices
+        keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
+        keep |= (~middle & layout.valid)[:, None, :]  # the sink and the most recent blocks
+        rows_sparse = torch.tensor(sparse, device=scores.device)[:, None, None]
+        keep = torch.where(rows_sparse, keep, layout.valid[:, None, :]) & layout.valid[:, None, :]
+        widest = max(budget + fixed if s else batch.num_blocks(i) for i, s in enumerate(sparse))
+        return keep, widest
+
+    def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
+        """[B, Hk, blocks] upper bounds of each sequence's query q [B, Hq, D] on its blocks (-inf past its
+        keys). Per dimension max(q*max, q*min) is q+ * max + q- * min (max >= min), so the bound of a page
+        is two matrix products."""
+        lo, hi = self.bounds.layout_pages(layer, layout)  # [B, pages, Hk, D]
+        batch_size, pages = lo.shape[:2]
+        q = q.float().view(batch_size, num_kv_heads, -1, q.shape[-1])  # [B, Hk, group, D]
+        lo, hi = lo.float().permute(0, 2, 3, 1), hi.float().permute(0, 2, 3, 1)  # [B, Hk, D, pages]
+        page_scores = (q.clamp(min=0) @ hi + q.clamp(max=0) @ lo).amax(2)  # [B, Hk, pages]
+        written = -(-layout.seq_lens // self.bounds.page_size)  # pages holding keys
+        holding = torch.arange(pages, device=q.device)[None, :] < written[:, None]
+        page_scores = page_scores.masked_fill(~holding[:, None, :], float("-inf"))
+        return page_scores.view(batch_size, num_kv_heads, -1, self.bounds.pages_per_block).amax(-1)
 
     def block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput,
                      i: int) -> torch.Tensor:

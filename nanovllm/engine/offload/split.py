@@ -29,8 +29,9 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool, consecutive_runs
 from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
-from nanovllm.layers.block_selector import BlockSelector, SelectionInput, SparseStats
-from nanovllm.layers.kv_access import KVAccess, QueryGroups, group_metadata, query_groups, select_blocks
+from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, SelectionInput, SparseStats
+from nanovllm.layers.kv_access import (DeviceSelection, KVAccess, QueryGroups, decode_metadata, group_metadata,
+                                      query_groups, select_for_step)
 
 
 @dataclass
@@ -189,6 +190,7 @@ class SplitKV(_OffloadKV):
         # A dense selector reads the same pieces in every layer: planned once, prefetched on the copy stream.
         self.pieces = self._pieces(self.host_tables) if selector.dense else []
         self.host_meta: AttentionMetadata | None = None
+        self.layout: DecodeLayout | None = None
 
     def _pieces(self, host_tables: list[list[int]]) -> list[HistoryPiece]:
         bs, q_lens = self.pool.block_size, self.batch.query_lens
@@ -213,7 +215,11 @@ class SplitKV(_OffloadKV):
     def attend(self, layer, q, k, v, scale):
         self._store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.cache.layer(layer)
-        selection = select_blocks(self.selector, layer, q, k_cache.shape[2], self.batch)
+        head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
+        selection = select_for_step(self.selector, layer, q, k_cache.shape[2], self.batch, self._layout, head_bytes)
+        if isinstance(selection, DeviceSelection):  # decode: host blocks read in place, counted on the device
+            return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale,
+                                        host_kv=HostKV(self.pool.host[0, layer], self.pool.host[1, layer], RING_BASE))
         if selection is not None:
             return self._attend_selected(layer, q, k_cache, v_cache, selection, scale)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -238,6 +244,11 @@ class SplitKV(_OffloadKV):
             if unit + RING_SLOTS < self.num_units:
                 self._fill_unit(unit + RING_SLOTS)
         return out.to(q.dtype)
+
+    def _layout(self, batch: SelectionInput) -> DecodeLayout:
+        if self.layout is None:
+            self.layout = DecodeLayout.build(batch, self.pool.device, second_pool_base=RING_BASE)
+        return self.layout
 
     def _host_meta(self) -> AttentionMetadata:
         """Attention over every host block, tables of host ids (for the mirrored layers)."""
