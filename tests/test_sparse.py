@@ -299,6 +299,39 @@ def test_xattention_sparse_prefill_same_device_only_and_offload(tiny_llama):
     assert b.metrics.host_kv_bytes_read == offload.runner.host_pool.stats.h2d_bytes > 0
 
 
+@pytest.mark.parametrize("threshold", [0.5, 0.8])
+def test_xattention_offload_prefill_copies_all_keys_once_and_only_selected_values(tiny_llama, threshold):
+    """Offload prefill: per layer, the estimate reads K of every host block and the attention then copies
+    only V of the host blocks some KV head selected (their K is already on the device). The bytes equal
+    that count made from the recorded selections, and stay below dense offload's."""
+    schedule = dict(max_num_batched_tokens=16, max_num_seqs=1, num_gpu_blocks=8, enable_cpu_offload=True,
+                    cpu_kv_cache_gb=0.01)
+    prompt, first_token = PROMPTS[0] + PROMPTS[2], SamplingParams(temperature=0, max_tokens=1)
+    llm = xattn_llm(tiny_llama, xattn_threshold=threshold, **schedule)
+    selector, calls = llm.runner.worker.selector, []
+    select = selector.select
+
+    def recording(layer, q, num_kv_heads, batch):
+        masks = select(layer, q, num_kv_heads, batch)
+        calls.append((batch, masks))
+        return masks
+
+    selector.select = recording
+    got = llm.generate([prompt], first_token, use_tqdm=False)[0]
+    half = llm.runner.host_pool.block_bytes_per_layer // 2
+    expected = 0
+    for batch, masks in calls:
+        host = [c for c, h in enumerate(batch.on_host[0]) if h] if batch.on_host else []
+        if masks is None:
+            expected += 2 * half * len(host)
+            continue
+        attended = masks[0].flatten(0, -2).any(0)
+        expected += half * len(host) + half * sum(bool(attended[c]) for c in host)
+    assert got.metrics.host_kv_bytes_read == expected == llm.runner.host_pool.stats.h2d_bytes
+    dense = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", **schedule)
+    assert expected < dense.generate([prompt], first_token, use_tqdm=False)[0].metrics.host_kv_bytes_read
+
+
 def test_xattention_plus_quest_uses_each_for_its_rows(tiny_llama):
     llm = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", num_gpu_blocks=64, max_num_batched_tokens=64,
               sparse_policy="xattention+quest", sparse_min_context=0, xattn_block_size=16, xattn_stride=4,

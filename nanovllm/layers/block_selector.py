@@ -28,6 +28,9 @@ class SelectionInput:
     block_tables: list[list[int]]
     on_host: list[list[bool]] | None = None
     stats: SparseStats | None = None  # where a selector counts host KV it reads for its estimate
+    # host block id -> its keys [block_size, Hk, D] on the device, read by the selector for this layer's
+    # estimate (the strategy then copies only their values); None: the strategy does not reuse them
+    host_keys: dict[int, torch.Tensor] | None = None
 
     def num_blocks(self, i: int) -> int:
         return -(-self.seq_lens[i] // self.block_size)

@@ -142,6 +142,8 @@ class XAttentionSelector(BlockSelector):
         host = [c for c in range(n) if flags[c]]
         if host:
             blocks[host] = self.host_pool.read_keys(layer, [table[c] for c in host], k_cache.device)
+            if batch.host_keys is not None:
+                batch.host_keys.update({table[c]: blocks[c] for c in host})
             if batch.stats is not None:
                 batch.stats.host_bytes[i] += len(host) * self.host_pool.block_bytes_per_layer // 2
         return blocks.flatten(0, 1)[: batch.seq_lens[i]]

@@ -94,13 +94,15 @@ class HostKVPool:
                         device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
         self.count("d2h", n=2 * len(runs), blocks=sum(r[2] for r in runs))
 
-    def copy_in(self, layer: int, slot: int, runs: list[tuple[int, int, int]]) -> None:
-        """Copy one layer's (host start, ring position, n) runs into a ring slot on the current stream."""
+    def copy_in(self, layer: int, slot: int, runs: list[tuple[int, int, int]], values_only: bool = False) -> None:
+        """Copy one layer's (host start, ring position, n) runs into a ring slot on the current stream
+        (values_only: V alone, the caller has the keys)."""
+        kinds = (1,) if values_only else (0, 1)
         for host_start, position, n in runs:
-            for kv in range(2):
+            for kv in kinds:
                 self.ring[kv, slot, position : position + n].copy_(
                     self.host[kv, layer, host_start : host_start + n], non_blocking=True)
-        self.count("h2d", n=2 * len(runs), blocks=sum(r[2] for r in runs))
+        self.count("h2d", n=len(kinds) * len(runs), blocks=sum(r[2] for r in runs), share=len(kinds) / 2)
 
     def read_keys(self, layer: int, blocks: list[int], device: torch.device) -> torch.Tensor:
         """K (never V) of one layer's host blocks, on the device: [len(blocks), block_size, Hk, D]."""
@@ -110,8 +112,9 @@ class HostKVPool:
         self.stats.h2d_copies += 1
         return keys
 
-    def count(self, direction: str, n: int, blocks: int) -> None:
-        nbytes = blocks * self.block_bytes_per_layer
+    def count(self, direction: str, n: int, blocks: int, share: float = 1.0) -> None:
+        """n copies of `blocks` blocks of one layer (share: the part of each block's K and V bytes moved)."""
+        nbytes = int(blocks * self.block_bytes_per_layer * share)
         if direction == "h2d":
             self.stats.h2d_bytes += nbytes
             self.stats.h2d_copies += n

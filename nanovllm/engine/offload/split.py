@@ -100,8 +100,9 @@ class _OffloadKV(KVAccess):
         if o.cuda:
             o.last_d2h = self.d2h_done[-1]
 
-    def _fill(self, layer: int, slot: int, runs: list[tuple[int, int, int]], key: int) -> None:
-        """Copy runs of layer's host blocks into a ring slot on the copy stream (event copied[key])."""
+    def _fill(self, layer: int, slot: int, runs: list[tuple[int, int, int]], key: int, values_only: bool = False) -> None:
+        """Copy runs of layer's host blocks into a ring slot on the copy stream (event copied[key]);
+        values_only: V alone (the caller brings the keys)."""
         o = self.pool
         with torch.cuda.stream(o.h2d_stream) if o.cuda else nullcontext():
             if o.cuda:
@@ -109,7 +110,7 @@ class _OffloadKV(KVAccess):
                     o.h2d_stream.wait_event(self.slot_free[slot])
                 if self.d2h_done:
                     o.h2d_stream.wait_event(self.d2h_done[layer])
-            o.copy_in(layer, slot, runs)
+            o.copy_in(layer, slot, runs, values_only)
             if o.cuda:
                 event = torch.cuda.Event()
                 event.record(o.h2d_stream)
@@ -182,7 +183,7 @@ class SplitKV(_OffloadKV):
         super().__init__(pool, cache, backend, offloads)
         bs = pool.block_size
         self.block_tables, self.on_host, self.selector, self.stats = block_tables, on_host, selector, stats
-        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats)
+        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats, host_keys={})
         device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
         compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
         self.meta = backend.build_metadata(query_lens, compact_lens, device_tables, slots, bs, pool.device)
@@ -216,6 +217,7 @@ class SplitKV(_OffloadKV):
         self._store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.cache.layer(layer)
         head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
+        self.batch.host_keys.clear()  # the keys a selector reads are this layer's
         selection = select_for_step(self.selector, layer, q, k_cache.shape[2], self.batch, self._layout, head_bytes)
         if isinstance(selection, DeviceSelection):  # decode: host blocks read in place, counted on the device
             return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale,
@@ -271,9 +273,9 @@ class SplitKV(_OffloadKV):
         return out.to(q.dtype)
 
     def _attend_selected(self, layer: int, q, k_cache, v_cache, selection, scale) -> torch.Tensor:
-        """Per KV head over its selected blocks. Decode rows on CUDA read their selected host blocks in
-        place (no copy, no host sync); otherwise this layer copies the union of the heads' host blocks
-        through the ring."""
+        """Per KV head over its selected blocks. Decode rows read their selected host blocks in place;
+        otherwise this layer copies the union of the heads' host blocks through the ring: only their V
+        where the selector already brought their K to the device for its estimate."""
         groups = query_groups(self.batch, selection)
         if max(self.batch.query_lens) == 1:
             return self._attend_in_place(layer, q, k_cache, v_cache, groups, scale)
@@ -282,17 +284,22 @@ class SplitKV(_OffloadKV):
         attended = torch.zeros(len(tables), groups.mask.shape[-1], dtype=torch.int32).index_add_(
             0, torch.tensor(groups.seq), groups.mask.any(1).int().cpu()) > 0
         wanted = [t[attended[i, : t.numel()] & h].tolist() for i, (t, h) in enumerate(zip(tables, host))]
+        keys = self.batch.host_keys
+        values_only = all(b in keys for blocks in wanted for b in blocks)
         if self.stats is not None:
             for i, blocks in enumerate(wanted):
-                self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer
+                self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer // (2 if values_only else 1)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         on_device = groups.pool_ids([torch.where(h, -1, t) for t, h in zip(tables, host)])
         self.backend.forward_with_lse(q, k_cache, v_cache, group_metadata(self.backend, groups, on_device, bs, q.device),
                                       scale, out=(out, lse))
         for runs, _ in pack(wanted, self.pool.ring_blocks):
-            self._fill(layer, 0, runs, -1)
+            self._fill(layer, 0, runs, -1, values_only=values_only)
             self._wait_copied(-1)
+            if values_only:
+                for host_start, position, n in runs:
+                    self.pool.ring[0, 0, position : position + n] = torch.stack([keys[host_start + j] for j in range(n)])
             ring_position = torch.full((self.pool.num_host_blocks,), -1, dtype=torch.int64)
             for host_start, position, n in runs:
                 ring_position[host_start : host_start + n] = torch.arange(position, position + n)
