@@ -99,6 +99,17 @@ def slots_of(tables: list[list[int]]) -> list[int]:
             for p in range(s - n, s)]
 
 
+def pooled_kv(pool, cache, layer, tables, on_host, seq_lens):
+    """keys_of(i) for reference(): sequence i's K and V of one layer, each block from the pool it lives in."""
+
+    def keys_of(i):
+        parts = [(pool.host if h else cache.data)[:, layer, b] for b, h in zip(tables[i], on_host[i])]
+        kv_tokens = torch.stack(parts, 1).flatten(1, 2)[:, : seq_lens[i]]
+        return kv_tokens[0], kv_tokens[1]
+
+    return keys_of
+
+
 SELECTORS = [RandomHeadSelector, RandomRowBlocksSelector]
 
 
@@ -145,13 +156,8 @@ def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, sel
         q, k, v = new_tokens(20 + layer)
         out = kv.attend(layer, q, k, v, 0.25)
 
-        def keys_of(i):
-            parts = [(pool.host if h else cache.data)[:, layer, b] for b, h in zip(tables[i], on_host[i])]
-            kv_tokens = torch.stack(parts, 1).flatten(1, 2)[:, : SEQ_LENS[i]]
-            return kv_tokens[0], kv_tokens[1]
-
         masks = selector.masks[layer]
-        want = reference(q, keys_of, masks, QUERY_LENS, SEQ_LENS, 0.25)
+        want = reference(q, pooled_kv(pool, cache, layer, tables, on_host, SEQ_LENS), masks, QUERY_LENS, SEQ_LENS, 0.25)
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
         expected_blocks += sum(1 for i in range(2) for b, h in enumerate(on_host[i]) if h and masks[i][..., b].any())
     assert pool.stats.h2d_bytes == expected_blocks * pool.block_bytes_per_layer
@@ -178,14 +184,9 @@ def test_offload_decode_reads_exactly_the_selected_host_blocks_in_place(selector
         q, k, v = (torch.randn(2, h, D, generator=g) for h in (HK * GROUP, HK, HK))
         out = kv.attend(layer, q, k, v, 0.25)
 
-        def keys_of(i):
-            parts = [(pool.host if h else cache.data)[:, layer, b] for b, h in zip(tables[i], on_host[i])]
-            kv_tokens = torch.stack(parts, 1).flatten(1, 2)[:, : seq_lens[i]]
-            return kv_tokens[0], kv_tokens[1]
-
         masks = selector.masks[layer]
-        torch.testing.assert_close(out.double(), reference(q, keys_of, masks, query_lens, seq_lens, 0.25),
-                                   atol=1e-5, rtol=1e-5)
+        want = reference(q, pooled_kv(pool, cache, layer, tables, on_host, seq_lens), masks, query_lens, seq_lens, 0.25)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
         for i in range(2):
             expected_pairs[i] += sum(int(masks[i][h, b]) for h in range(HK) for b, host in enumerate(on_host[i]) if host)
     head_bytes = pool.block_bytes_per_layer // HK
