@@ -323,8 +323,10 @@ class FakeLLM:
         outs = []
         for ids, p in zip(prompts, params):
             text = self.answers[tuple(ids)]
+            metrics = SimpleNamespace(prefill_density=0.5 if len(outs) % 2 else 0.25, decode_density=1.0,
+                                      host_kv_bytes_read=10**8)
             outs.append(SimpleNamespace(text=text, token_ids=[1] * min(len(text.split()), p.max_tokens),
-                                        finish_reason="stop"))
+                                        finish_reason="stop", metrics=metrics))
         return outs
 
 
@@ -359,6 +361,8 @@ def test_run_ruler_over_a_fake_engine(tokenizer, samples, tmp_path, capsys):
     assert (tmp_path / "ruler.md").read_text().count("| vt | 50.00 (1/2) |") == 1
     out = capsys.readouterr().out
     assert "| **average** | **50.00 (3/6)** |" in out and "samples/s" in out
+    assert saved["attention"] == {str(LENGTH): {"prefill_density": 0.375, "decode_density": 1.0, "host_kv_gb": 0.6}}
+    assert "prefill density 0.375, decode density 1.000, host KV read 0.60 GB" in (tmp_path / "ruler.md").read_text()
     if "chart" in result["files"]:
         assert (tmp_path / "ruler.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

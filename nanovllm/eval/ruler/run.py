@@ -72,7 +72,9 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     for s, out in zip(samples, outputs):
         score = sample_score(TASKS[s["task"]].metric, out.text, s["references"])
         records.append({**s, "prediction": out.text, "output_tokens": len(out.token_ids),
-                        "finish_reason": out.finish_reason, "score": score, "passed": passed(score)})
+                        "finish_reason": out.finish_reason, "score": score, "passed": passed(score),
+                        "prefill_density": out.metrics.prefill_density, "decode_density": out.metrics.decode_density,
+                        "host_kv_bytes_read": out.metrics.host_kv_bytes_read})
     summary = summarize(records)
     engine_s = finished - generated
     hf = _hf_check(llm, samples, token_ids, records, use_tqdm) if hf_check else None
@@ -86,6 +88,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
         "output_tokens": output_tokens,
         "tokens_per_s": round((prompt_tokens + output_tokens) / engine_s, 1) if engine_s > 0 else None,
     }
+    work = attention_work(records, lengths)
     table = markdown_table(summary)
     model = str(getattr(llm.config, "model", ""))
     config = {"model": model, "lengths": lengths, "tasks": names, "num_samples": num_samples,
@@ -94,18 +97,39 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
               "data_packages": [p.requirement for p in data.PACKAGES.values()]}
     files = {"json": out_dir / "ruler.json", "markdown": out_dir / "ruler.md"}
     files["json"].write_text(json.dumps({"config": config, "summary": summary, "timings": timings, "hf_check": hf,
-                                         "samples": records}, indent=1, ensure_ascii=False) + "\n")
+                                         "attention": work, "samples": records}, indent=1, ensure_ascii=False) + "\n")
     speed = (f"{len(records)} samples in {engine_s:.1f} s: {timings['samples_per_s']} samples/s, "
              f"{timings['tokens_per_s']} tokens/s ({prompt_tokens} prompt + {output_tokens} output tokens)")
     hf_text = "" if hf is None else (f"\n\nHF transformers on the same prompts ({hf['identical_predictions']}/"
                                      f"{hf['samples']} predictions identical):\n\n{markdown_table(hf['summary'])}")
-    files["markdown"].write_text(f"# RULER: {Path(model).name or model}\n\n{table}\n\n{speed}{hf_text}\n")
+    files["markdown"].write_text(f"# RULER: {Path(model).name or model}\n\n{table}\n\n{speed}\n\n"
+                                 f"{attention_text(work)}{hf_text}\n")
     chart = save_chart(summary, out_dir / "ruler.png", title=f"RULER: {Path(model).name or model} ({template})")
     if chart is not None:
         files["chart"] = chart
-    print(f"\nRULER on {model} ({template} template)\n\n{table}\n\n{speed}\nresults: {out_dir}")
-    return {"summary": summary, "records": records, "timings": timings, "hf_check": hf,
+    print(f"\nRULER on {model} ({template} template)\n\n{table}\n\n{speed}\n{attention_text(work)}\nresults: {out_dir}")
+    return {"summary": summary, "records": records, "timings": timings, "hf_check": hf, "attention": work,
             "files": {k: str(v) for k, v in files.items()}}
+
+
+def attention_work(records: list[dict], lengths: list[int]) -> dict[str, dict[str, float]]:
+    """Per length: the mean prefill and decode attention density of its samples (1.0 when dense) and the
+    host KV bytes they read (offload mode)."""
+    work = {}
+    for length in lengths:
+        rows = [r for r in records if r["length"] == length]
+        if rows:
+            work[str(length)] = {
+                "prefill_density": round(sum(r["prefill_density"] for r in rows) / len(rows), 4),
+                "decode_density": round(sum(r["decode_density"] for r in rows) / len(rows), 4),
+                "host_kv_gb": round(sum(r["host_kv_bytes_read"] for r in rows) / 1e9, 3)}
+    return work
+
+
+def attention_text(work: dict[str, dict[str, float]]) -> str:
+    return "Attention work: " + "; ".join(
+        f"{length}: prefill density {w['prefill_density']:.3f}, decode density {w['decode_density']:.3f}, "
+        f"host KV read {w['host_kv_gb']:.2f} GB" for length, w in work.items())
 
 
 def make_samples(generator: str, tokenizer, model_path: str, lengths, tasks, num_samples: int, template: str,
