@@ -229,6 +229,9 @@ class PrefillDecodeSelector(BlockSelector):
     def __init__(self, prefill: BlockSelector, decode: BlockSelector):
         self.prefill, self.decode = prefill, decode
 
+    def decode_keep(self, layer, q, num_kv_heads, layout):
+        return self.decode.decode_keep(layer, q, num_kv_heads, layout)  # prefill policies keep decode rows whole
+
     def select(self, layer, q, num_kv_heads, batch) -> Selection | None:
         by_prefill = self.prefill.select(layer, q, num_kv_heads, batch)
         by_decode = self.decode.select(layer, q, num_kv_heads, batch)
