@@ -113,6 +113,34 @@ def test_quest_decode_selection_on_the_device_equals_the_per_sequence_one(seed):
     assert bool((host_entries >= 1000).all()) and host_entries.numel() == sum(map(sum, on_host))
 
 
+@pytest.mark.parametrize("policy, prompt_lens, graphs", [
+    ("quest", [40, 50], True),  # every sequence below sparse_min_context: dense, so the decode graphs
+    ("quest", [40, 150], False),  # one long enough to drop blocks: selected per layer, eager
+    ("xattention", [150, 150], True),  # a prefill policy: decode steps are dense
+])
+def test_decode_steps_a_sparse_policy_leaves_dense_are_planned_into_the_graphs(tiny_llama, policy, prompt_lens, graphs):
+    """The planner asks the selector, on the host, whether a decode step attends to every block; only such
+    steps get a graph bucket (the worker captures the dense graphs whatever the policy). Here the worker's
+    limits are replaced by ones with graph buckets (on the CPU there are none) and the plans recorded."""
+    from dataclasses import replace
+
+    llm = LLM(str(tiny_llama), kvcache_block_size=BS, device="cpu", num_gpu_blocks=64, max_num_batched_tokens=256,
+              sparse_policy=policy, sparse_min_context=100, quest_token_budget=BS, quest_dense_layers=0)
+    planner, plans = llm.runner.planner, []
+    planner.limits = replace(planner.limits, graph_buckets=[1, 2, 4])
+    plan = planner.plan
+    planner.plan = lambda *a, **k: plans.append(r := plan(*a, **k)) or r
+    llm.runner.worker.execute = lambda p: llm.runner.worker.__class__.execute(llm.runner.worker, replace(p, graph_batch=None))
+    prompts = [list(range(1, n + 1)) for n in prompt_lens]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    decode_plans = [p for p in plans if p.query_lens == [1, 1]]
+    assert decode_plans and all((p.graph_batch == 2) == graphs for p in decode_plans)
+    assert all(p.graph_batch is None for p in plans if max(p.query_lens) > 1)
+    layers, heads = llm.runner.kv_shape[0], llm.runner.kv_shape[2]
+    stats = llm.runner.worker._graph_stats(decode_plans[0])  # what a graph step reports: every block read
+    assert [s.decode for s in stats.values()] == [(-(-n // BS) * layers * heads,) * 2 for n in decode_plans[0].seq_lens]
+
+
 def quest_llm(path, **options) -> LLM:
     opts = dict(kvcache_block_size=BS, device="cpu", sparse_policy="quest", sparse_min_context=0, quest_dense_layers=0,
                 max_num_batched_tokens=64)

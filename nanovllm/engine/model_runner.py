@@ -23,7 +23,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path | None):
         self.worker = Worker(config, model_dir)
         self.planner = StepPlanner(self.worker.limits)
-        self.planner.fixed_kv_plans = self.worker.selector.dense
+        self.planner.dense_decode = self.worker.selector.dense_for_decode
 
     # What benchmarks and tests look at, on the worker.
     device = property(lambda self: self.worker.device)
@@ -51,10 +51,10 @@ class ModelRunner:
         self.planner.limits = replace(limits, staged_max_blocks=limits.staged_max_blocks if on else 0)
 
     def set_block_selector(self, selector: BlockSelector) -> None:
-        """Which KV blocks each layer attends to (layers/block_selector.py). A selector that is not dense
-        turns off what plans copies for all layers at once: decode graphs, staged and single-pass offload."""
+        """Which KV blocks each layer attends to (layers/block_selector.py). Decode steps the selector
+        narrows turn off what plans copies for all layers at once: decode graphs and staged offload."""
         self.worker.set_block_selector(selector)
-        self.planner.fixed_kv_plans = selector.dense
+        self.planner.dense_decode = selector.dense_for_decode
 
     def release(self, seq: Sequence) -> None:
         """seq is finished: the worker may drop its per-request state with the next step."""

@@ -7,6 +7,7 @@ Block locations are explicit: `block_tables` hold ids within their pool and `on_
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import HOST_BASE
@@ -67,7 +68,9 @@ class StepPlan:
 class StepPlanner:
     def __init__(self, limits: WorkerLimits):
         self.limits = limits
-        self.fixed_kv_plans = True  # False when the block selector is not dense: no graphs, no staging
+        # (block_size, KV lengths) -> True when a decode step attends to every block (the block selector
+        # says so on the host): only then can it run the dense decode graphs and stage copies for all layers
+        self.dense_decode: Callable[[int, list[int]], bool] = lambda block_size, seq_lens: True
         self._last_rows: dict[int, int] = {}  # seq_id -> its row in the last launched step's sampled tokens
         self._released: list[int] = []
 
@@ -100,10 +103,12 @@ class StepPlanner:
         plan = StepPlan(ids, positions, slots, [1] * len(seqs), [p + 1 for p in positions], [], None, list(offloads),
                         list(range(len(seqs))), [], [])
         self._locate_blocks(plan, [s.block_table for s in seqs])
+        if not self.dense_decode(bs, plan.seq_lens):
+            return plan  # selected per layer on the device: eager
         plan.staged_copies = self._staged_copies(plan)
         buckets = self.limits.graph_buckets
         host_ok = plan.staged_copies is not None or not (plan.has_host_blocks or offloads)
-        if buckets and self.fixed_kv_plans and len(seqs) <= buckets[-1] and host_ok:
+        if buckets and len(seqs) <= buckets[-1] and host_ok:
             plan.graph_batch = next(size for size in buckets if size >= len(seqs))
         return plan
 
@@ -147,7 +152,7 @@ class StepPlanner:
     def _staged_copies(self, plan: StepPlan) -> list[tuple[int, int, int]] | None:
         """A decode step's host blocks numbered 0, 1, ... as ring positions, cut into at most
         COPIES_PER_LAYER copies; None when staging is off or they do not fit (the step goes the split way)."""
-        if not (self.limits.staged_max_blocks and self.fixed_kv_plans):
+        if not self.limits.staged_max_blocks:
             return None
         host_ids = [b for table, flags in zip(plan.block_tables, plan.on_host) for b, h in zip(table, flags) if h]
         if len(host_ids) > self.limits.staged_max_blocks:

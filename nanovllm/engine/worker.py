@@ -7,7 +7,7 @@ samples. It never schedules: everything it needs arrives in the plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -127,8 +127,6 @@ class Worker:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return None
-        if not self.selector.dense:  # selections are made per step on the host: no fixed graphs
-            return None
         buckets = batch_buckets(min(self.config.max_num_seqs, 512))
         return DecodeGraphs(self.model, self._graph_kv, buckets, self.config.num_blocks_per_seq_limit,
                             self.block_size, self.num_blocks, self.device, self.last_tokens, self.staged)
@@ -177,7 +175,7 @@ class Worker:
                 self.staged.set_step(plan.staged_copies, plan.offloads)
                 tables, staged = ring_tables(plan.block_tables, plan.on_host), bool(plan.staged_copies)
             logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, staged)
-            return logits, {}, self._dense_stats(plan)
+            return logits, {}, self._graph_stats(plan)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         sparse = None if self.selector.dense else SparseStats(len(plan.seq_lens))
         kv = self._kv_access(plan, sparse)
@@ -186,7 +184,10 @@ class Worker:
         prompt_logprobs = self._prompt_logprobs(hidden, plan)
         if sparse is not None and (in_place := sparse.resolve()):
             self.host_pool.stats.h2d_bytes += in_place  # host KV the decode kernel read where it lies
-        stats = self._dense_stats(plan) if sparse is None else self._sparse_stats(plan, sparse)
+        if sparse is None or plan.staged_copies is not None:  # a staged step is dense: every host block copied
+            stats = self._graph_stats(plan)
+        else:
+            stats = self._sparse_stats(plan, sparse)
         if not plan.sample_rows:
             return None, prompt_logprobs, stats
         return self.model.compute_logits(hidden[as_tensor(plan.sample_rows)]), prompt_logprobs, stats
@@ -198,6 +199,18 @@ class Worker:
         per_block = self.host_pool.block_bytes_per_layer * self.kv_shape[0]
         return {seq_id: SeqStepStats(host_kv_bytes=sum(flags) * per_block)
                 for seq_id, flags in zip(plan.seq_ids, plan.on_host) if any(flags)}
+
+    def _graph_stats(self, plan: StepPlan) -> dict[int, SeqStepStats]:
+        """A dense decode step with fixed plans (graphs, staged copies), or any step of a dense selector;
+        under a sparse policy such a decode step counts as reading every block (density 1)."""
+        stats = self._dense_stats(plan)
+        if self.selector.dense or max(plan.query_lens) > 1:
+            return stats
+        layers, heads = self.kv_shape[0], self.kv_shape[2]
+        for seq_id, n in zip(plan.seq_ids, plan.seq_lens):
+            blocks = -(-n // self.block_size) * layers * heads
+            stats[seq_id] = replace(stats.get(seq_id, SeqStepStats()), decode=(blocks, blocks))
+        return stats
 
     @staticmethod
     def _sparse_stats(plan: StepPlan, sparse: SparseStats) -> dict[int, SeqStepStats]:

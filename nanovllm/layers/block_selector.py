@@ -87,6 +87,11 @@ class BlockSelector(ABC):
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         """q: [T, Hq, D] this layer's queries (post-RoPE). None: every block of every sequence."""
 
+    def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
+        """True when a decode step of sequences with these KV lengths is known on the host to attend to
+        every block in every layer: the step may then run the dense decode graphs."""
+        return self.dense
+
     def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
                     layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
         """For a decode step (one query row per sequence), the selection made on the device without a

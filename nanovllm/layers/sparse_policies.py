@@ -60,6 +60,14 @@ class QuestSelector(BlockSelector):
             masks.append(keep)
         return masks if sparse else None
 
+    def sparse_rows(self, block_size: int, seq_lens: list[int]) -> list[bool]:
+        """Which decode rows drop blocks: long enough, and with more blocks than the budget keeps."""
+        keeps = max(1, self.token_budget // block_size) + self.sink_blocks + self.recent_blocks
+        return [n >= self.min_context and -(-n // block_size) > keeps for n in seq_lens]
+
+    def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
+        return not any(self.sparse_rows(block_size, seq_lens))
+
     def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
                     layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
         """select() for a decode step, on the device: one batched bound, top-k and mask, no host sync."""
@@ -67,8 +75,7 @@ class QuestSelector(BlockSelector):
             return None
         batch, budget = layout.batch, max(1, self.token_budget // layout.batch.block_size)
         fixed = self.sink_blocks + self.recent_blocks
-        sparse = [batch.seq_lens[i] >= self.min_context and batch.num_blocks(i) > budget + fixed
-                  for i in range(len(batch.seq_lens))]
+        sparse = self.sparse_rows(batch.block_size, batch.seq_lens)
         if not any(sparse):
             return None
         scores = self.batch_block_scores(layer, q, num_kv_heads, layout)  # [B, Hk, blocks]
@@ -119,6 +126,9 @@ class XAttentionSelector(BlockSelector):
         """host_pool: the offload pool (read_keys), or None."""
         self.cache, self.host_pool = cache, host_pool
         self.threshold, self.stride, self.block_size, self.min_context = threshold, stride, block_size, min_context
+
+    def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
+        return True  # a prefill policy: decode rows attend to every block
 
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         masks, sparse = [], False
@@ -228,6 +238,9 @@ class PrefillDecodeSelector(BlockSelector):
 
     def __init__(self, prefill: BlockSelector, decode: BlockSelector):
         self.prefill, self.decode = prefill, decode
+
+    def dense_for_decode(self, block_size, seq_lens) -> bool:
+        return self.decode.dense_for_decode(block_size, seq_lens)
 
     def decode_keep(self, layer, q, num_kv_heads, layout):
         return self.decode.decode_keep(layer, q, num_kv_heads, layout)  # prefill policies keep decode rows whole
