@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 from nanovllm.layers.sampler import filter_logits, sample
 from nanovllm.sampling_params import SamplingParams
+from sampling_reference import reference_adjust
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))
 
@@ -102,26 +103,6 @@ def test_fused_sampler_is_deterministic_per_seed(fused):
 
 # ---------------------------------------------------------------------------------------------
 # Logit adjustments (logit_bias, min_tokens, penalties) against a per-token PyTorch reference
-
-
-def reference_adjust(logits: torch.Tensor, params: list[SamplingParams], history: list) -> torch.Tensor:
-    """HF/vLLM semantics one token at a time: bias, min_tokens mask, repetition over prompt + output
-    (positive logits divided, negative multiplied), frequency and presence over the output."""
-    out = logits.clone()
-    for row, p, h in zip(out, params, history):
-        for token, bias in (p.logit_bias or {}).items():
-            row[token] += bias
-        if h is not None and h.num_output_tokens < p.min_tokens:
-            row[h.stop_token_ids] = float("-inf")
-        if h is None:
-            continue
-        output = h.output_token_ids or []
-        if p.repetition_penalty != 1.0:
-            for token in set(h.prompt_token_ids or []) | set(output):
-                row[token] = row[token] / p.repetition_penalty if row[token] > 0 else row[token] * p.repetition_penalty
-        for token in set(output):
-            row[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
-    return out
 
 
 def adjusted_batch(vocab: int = 150, device: str = "cpu"):
