@@ -208,3 +208,39 @@ def test_skip_special_tokens_false_keeps_them_in_the_text():
         kept.add(t)
         skipped.add(t)
     assert kept.text == kept.final([0, 25, 1]) == "a<s>b" and skipped.final([0, 25, 1]) == skipped.text == "ab"
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_gpu_blocks=8),  # 4 samples of 5 blocks each do not fit: preemption
+    dict(num_gpu_blocks=6, enable_cpu_offload=True, cpu_kv_cache_gb=0.01, max_num_batched_tokens=64),
+])
+def test_n_greedy_samples_survive_preemption_and_offload(tiny_llama, options):
+    prompt = [(11 * i) % 256 for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=64, device="cpu")
+    want = reference.generate([prompt], params, use_tqdm=False)[0].token_ids
+    engine = LLM(str(tiny_llama), kvcache_block_size=16, device="cpu", **options)
+    out = engine.generate([prompt], SamplingParams(temperature=0, n=4, max_tokens=40, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [want] * 4
+    pool = engine.runner.host_pool
+    assert engine.scheduler.num_preemptions > 0 if pool is None else pool.stats.d2h_copies > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_used_host_blocks == 0
+
+
+def test_fork_prefix_takes_computed_device_prompt_blocks_only():
+    from nanovllm.engine.block_manager import HOST_BASE, BlockManager
+    from nanovllm.engine.sequence import Sequence
+
+    bm = BlockManager(8, 16)
+    parent = Sequence(list(range(50)), SamplingParams(), 16)
+    bm.admit(parent, [], 50)
+    parent.num_computed_tokens = 50
+    assert bm.fork_prefix(parent, 50) == parent.block_table[:3]  # 48 tokens; the 4th block holds token 49
+    assert bm.fork_prefix(parent, 48) == parent.block_table[:2]  # never the block of the last prompt token
+    parent.num_computed_tokens = 20
+    assert bm.fork_prefix(parent, 50) == parent.block_table[:1]
+    parent.num_computed_tokens = 50
+    parent.block_table[1] = HOST_BASE  # moved to the host pool: not shareable, nor what follows
+    assert bm.fork_prefix(parent, 50) == parent.block_table[:1]
