@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 from nanovllm.engine_args import add_engine_options, engine_options, run_command
 
+MODEL_HELP = ("HF-format model directory, a Hugging Face Hub id (org/name, downloaded into the hub cache) or "
+              "smollm2-135m / qwen2.5-coder-0.5b (default: SmolLM2-135M-Instruct)")
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -21,12 +24,12 @@ def cmd_fetch(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import LLM
 
     started = time.perf_counter()
     llm = LLM(args.model, **engine_options(args))
     loaded = time.perf_counter()
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed_request)
+    params = sampling_params(args, llm)
     prompts = args.prompt or DEFAULT_PROMPTS
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if not args.raw else \
         llm.generate(prompts, params)
@@ -44,17 +47,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import LLM
     from nanovllm.chat_repl import chat_loop
 
     llm = LLM(args.model, **engine_options(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                            seed=args.seed_request)
+    params = sampling_params(args, llm)
     chat_loop(llm, params, system=args.system)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from nanovllm import LLM
+    from nanovllm import request_log
     from nanovllm.server.app import ServerOptions, api_key_from, serve
 
     if args.max_pending_requests < 1:
@@ -62,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     for flag in ("max_request_body_bytes", "timeout_keep_alive", "timeout_request_read"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    request_log.enable(args.enable_log_requests)
     options = ServerOptions(args.served_model_name, args.max_pending_requests, api_key_from(args.api_key),
                             tuple(args.allowed_origins or ()), args.max_request_body_bytes, args.timeout_keep_alive,
                             args.timeout_request_read)
@@ -70,17 +74,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate per reply (default: {max_tokens})")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    model = "the model's generation_config.json (with --generation-config auto), else"
+    parser.set_defaults(default_max_tokens=max_tokens)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"tokens to generate per reply (default: {model} {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=None, help=f"0 means greedy (default: {model} 0)")
+    parser.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass (default: {model} 1)")
     parser.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+
+
+def sampling_params(args: argparse.Namespace, llm):
+    """The command's flags over the model's sampling defaults (LLM.get_default_sampling_params) over the
+    command's own (greedy, args.default_max_tokens)."""
+    from nanovllm import SamplingParams
+
+    given = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
+             "seed": args.seed_request}
+    own = {"temperature": 0.0, "max_tokens": args.default_max_tokens}
+    return SamplingParams(**{**own, **llm.generation_defaults, **{k: v for k, v in given.items() if v is not None}})
 
 
 def add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                            description="Serve a model over the OpenAI API with continuous batching. Routes: "
                                        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
-    serve.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     serve.add_argument("--served-model-name", default=None,
@@ -104,6 +122,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--timeout-request-read", type=float, default=30.0,
                        help="seconds within which a request's line and headers, and then its body, must arrive; "
                             "slower clients are disconnected, or get 408 for the body (default: 30)")
+    serve.add_argument("--enable-log-requests", action="store_true",
+                       help="log one line per request: its id, prompt length and sampling parameters (default: off)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level (default: info)")
     add_engine_options(serve)
@@ -114,7 +134,7 @@ def add_chat_parser(sub) -> None:
     chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens as they are generated",
                           description="Interactive multi-turn chat through the model's chat template. "
                                       "Type /exit or press Ctrl-D to quit, /reset to clear the history.")
-    chat.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    chat.add_argument("--model", default=None, help=MODEL_HELP)
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
     add_sampling_options(chat, 256)
     add_engine_options(chat)
@@ -128,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", choices=["smollm2-135m", "qwen2.5-coder-0.5b"], help="which default model to install")
     fetch.set_defaults(func=cmd_fetch)
     gen = sub.add_parser("generate", help="generate for a few prompts and print outputs and timings")
-    gen.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: four examples)")
     gen.add_argument("--raw", action="store_true", help="send prompts as plain text instead of through the chat template")
     add_sampling_options(gen, 64)
@@ -151,8 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging() -> None:
+    """nanovllm's INFO lines (the KV pool at start, requests with --enable-log-requests) on stderr."""
+    log = logging.getLogger("nanovllm")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    configure_logging()
     run_command(args.func, args)
 
 

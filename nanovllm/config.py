@@ -10,13 +10,15 @@ from typing import Any
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 SPARSE_POLICIES = ("full", "xattention", "quest", "xattention+quest")
 _DEVICES = ("auto", "cuda", "cpu")
+GENERATION_CONFIGS = ("auto", "vllm")
+NOT_OPTIONS = ("model", "model_path", "hf_config")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """All engine options. Unknown keys raise TypeError; bad values raise ValueError."""
 
-    model: str
+    model: str  # as given: a directory, a default model's name or a Hugging Face Hub id (models/hub.py)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -41,15 +43,21 @@ class EngineConfig:
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
+    revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
+    download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)
+    generation_config: str = "auto"  # "auto": sampling defaults from the model's generation_config.json; "vllm": none
+    model_path: str = field(default="", repr=False)  # the local directory the model resolved to
     hf_config: dict = field(default_factory=dict, repr=False)  # filled from config.json
 
     @classmethod
-    def from_options(cls, model: str, **options: Any) -> "EngineConfig":
-        known = {f.name for f in dataclasses.fields(cls)} - {"model", "hf_config"}
+    def from_options(cls, model: str, model_path: str | None = None, **options: Any) -> "EngineConfig":
+        """model_path: the directory `model` resolved to (models/hub.py), when it is not that directory."""
+        known = {f.name for f in dataclasses.fields(cls)} - set(NOT_OPTIONS)
         for key in options:
             if key not in known:
                 raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(sorted(known))}")
-        return cls(model=model, hf_config=load_hf_config(model), **options)
+        path = model_path or model
+        return cls(model=model, model_path=path, hf_config=load_hf_config(path), **options)
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -75,6 +83,13 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self._check_sparse_options()
+        for name in ("revision", "download_dir"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
+        if not self.model_path:
+            object.__setattr__(self, "model_path", self.model)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         model_limit = self.model_max_position

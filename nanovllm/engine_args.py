@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import sys
 
-from nanovllm.config import EngineConfig
+from nanovllm.config import NOT_OPTIONS, EngineConfig
 
 _HELP = {
     "sparse_policy": "block-sparse attention: full, xattention (prefill), quest (decode) or xattention+quest",
@@ -36,13 +36,16 @@ _HELP = {
     "seed": "seed of the engine's sampling generator",
     "attention_backend": "auto, torch (pure PyTorch reference) or triton (CUDA kernels)",
     "load_format": "auto, or dummy for random weights of the config's shape",
+    "revision": "a Hugging Face Hub model's branch, tag or commit",
+    "download_dir": "hub cache directory for models given by Hub id (default: huggingface_hub's, ~/.cache/huggingface/hub)",
+    "generation_config": "auto: sampling defaults from the model's generation_config.json; vllm: ignore it",
 }
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for f in dataclasses.fields(EngineConfig):
-        if f.name in ("model", "hf_config"):
+        if f.name in NOT_OPTIONS:
             continue
         flag = "--" + f.name.replace("_", "-")
         if str(f.type).startswith("bool"):
@@ -54,7 +57,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return {k: v for k, v in vars(args).items() if k in names and k != "model" and v is not None}
+    return {k: v for k, v in vars(args).items() if k in names and k not in NOT_OPTIONS and v is not None}
 
 
 def run_command(command, args: argparse.Namespace) -> None:

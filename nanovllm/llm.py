@@ -5,7 +5,7 @@ generate() and chat() may be called from several threads: calls run one after an
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
@@ -35,7 +35,7 @@ class LLM(LLMEngine):
         A request whose prompt + max_tokens exceeds max_model_len runs and stops at max_model_len with
         finish_reason "length" (as vLLM's offline LLM does; the server refuses it instead)."""
         prompts = validation.prompts(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         token_ids = [self.tokenize(p) for p in prompts]
         for ids, sp in zip(token_ids, params):
             self.check_request(ids, sp)  # refuse a bad batch before any of it runs
@@ -43,7 +43,7 @@ class LLM(LLMEngine):
             request_ids = [self.add_request(ids, sp) for ids, sp in zip(token_ids, params)]
             for rid, prompt in zip(request_ids, prompts):
                 if isinstance(prompt, str):
-                    self.requests[rid].seq.prompt = prompt
+                    self.requests[rid].prompt = prompt
             try:
                 finished = self._run_to_completion(set(request_ids), use_tqdm)
             finally:
@@ -52,14 +52,21 @@ class LLM(LLMEngine):
         return [finished[rid] for rid in request_ids]
 
     def _run_to_completion(self, request_ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every request finished. The bar counts completions (n per request) and, as vLLM's,
+        estimates input (prompt tokens, once per completion) and output tokens per second."""
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        total = sum(len(self.requests[rid].samples) for rid in request_ids)
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm, postfix=_speed(0, 0, 1.0))
+        tokens_in = tokens_out = 0
         with bar:
             while len(finished) < len(request_ids):
                 for out in self._step(final_only=True):
                     if out.finished and out.request_id in request_ids:
                         finished[out.request_id] = out
-                        bar.update(1)
+                        tokens_in += len(out.prompt_token_ids) * len(out.outputs)
+                        tokens_out += sum(len(c.token_ids) for c in out.outputs)
+                        bar.postfix = _speed(tokens_in, tokens_out, bar.format_dict["elapsed"])
+                        bar.update(len(out.outputs))
         return finished
 
     def chat(
@@ -80,9 +87,14 @@ class LLM(LLMEngine):
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _as_params_list(params, n: int) -> list[SamplingParams]:
+def _speed(tokens_in: int, tokens_out: int, elapsed: float) -> str:
+    elapsed = max(elapsed, 1e-9)
+    return f"est. speed input: {tokens_in / elapsed:.2f} toks/s, output: {tokens_out / elapsed:.2f} toks/s"
+
+
+def _as_params_list(params, n: int, default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [default() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):

@@ -86,9 +86,30 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm, prompt, params, 
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
+    ({"n": 0}, "n must be an integer in \\[1,"),
+    ({"n": 2, "best_of": 3}, "best_of must be None or equal to n=2"),
+    ({"n": 3, "best_of": 2}, "best_of must be an integer in \\[3,"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be in \\[-2, 2\\]"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be in \\[-2, 2\\]"),
+    ({"min_tokens": 17}, "min_tokens must be an integer in \\[0, 16\\]"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias\\[5\\] must be in \\[-100, 100\\]"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias\\[-1\\] must be an integer in \\[0,"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be integer token ids, got str"),
+    ({"logit_bias": [(5, 1.0)]}, "logit_bias must be a dict"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a boolean"),
+    ({"skip_special_tokens": None}, "skip_special_tokens must be a boolean"),
+    ({"n": 2.0}, "n must be an integer"),
+])
+def test_bad_sampling_param_types(kwargs, message):
+    with pytest.raises(TypeError, match=message):
         SamplingParams(**kwargs)
 
 

@@ -314,7 +314,7 @@ class FakeLLM:
 
     def __init__(self, tokenizer, answers: dict[tuple[int, ...], str]):
         self.tokenizer = tokenizer
-        self.config = SimpleNamespace(max_model_len=LENGTH + 256, model="/models/fake")
+        self.config = SimpleNamespace(max_model_len=LENGTH + 256, model="/models/fake", model_path="/models/fake")
         self.answers = answers
         self.calls = []
 

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 from nanovllm.layers.sampler import filter_logits, sample
 from nanovllm.sampling_params import SamplingParams
+from sampling_reference import reference_adjust
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))
 
@@ -98,3 +99,115 @@ def test_fused_sampler_is_deterministic_per_seed(fused):
     assert a[0] == a[1] == b[0] and a[2] == b[2] and a[3] == b[3]
     assert len(set(fused.sample_tokens(logits[:1].repeat(50, 1), temps[:1].repeat(50),
                                        torch.arange(50, device=device)).tolist())) > 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit adjustments (logit_bias, min_tokens, penalties) against a per-token PyTorch reference
+
+
+def adjusted_batch(vocab: int = 150, device: str = "cpu"):
+    from nanovllm.layers.sampler import RowHistory
+
+    torch.manual_seed(1)
+    logits = (torch.randn(6, vocab) * 3).to(device)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.7, max_tokens=32),
+        SamplingParams(temperature=0.7, presence_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, logit_bias={3: 100.0, 4: -5.5}),
+        SamplingParams(temperature=0.0, min_tokens=4),
+        SamplingParams(temperature=0.9, repetition_penalty=0.6, frequency_penalty=-1.0, logit_bias={7: 2.0}),
+    ]
+    prompt, output = [5, 9, 9, 140, 12, 77], [12, 13, 13, 13, 100, 5]
+    history = [None, RowHistory(6, prompt, output), RowHistory(6, None, output), None,
+               RowHistory(2, None, None, [int(logits[4].argmax()), 8]), RowHistory(6, prompt, output)]
+    return logits, params, history
+
+
+def test_adjust_logits_matches_the_reference():
+    from nanovllm.layers.sampler import adjust_logits
+
+    logits, params, history = adjusted_batch()
+    expected = reference_adjust(logits, params, history)
+    torch.testing.assert_close(adjust_logits(logits, params, history), expected)
+    assert not torch.equal(expected[1:], logits[1:]) and torch.equal(expected[0], logits[0])
+
+
+def test_min_tokens_mask_ends_once_reached():
+    from nanovllm.layers.sampler import RowHistory, adjust_logits
+
+    logits = torch.zeros(1, 8)
+    params = [SamplingParams(min_tokens=3)]
+    assert adjust_logits(logits, params, [RowHistory(2, stop_token_ids=[1, 2])])[0, 1:3].isinf().all()
+    assert torch.equal(adjust_logits(logits, params, [RowHistory(3, stop_token_ids=[1, 2])]), logits)
+
+
+def test_greedy_rows_take_the_argmax_of_adjusted_logits():
+    logits, params, history = adjusted_batch()
+    expected = reference_adjust(logits, params, history).argmax(-1)
+    out = sample(logits, params, [None] * 6, torch.Generator().manual_seed(0), history)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    assert [out.token_ids[i] for i in greedy] == expected[greedy].tolist()
+    assert out.token_ids[3] == 3 and expected[1] != logits[1].argmax()  # the bias and the penalty decide
+
+
+def test_penalized_sampling_follows_the_adjusted_distribution():
+    from nanovllm.layers.sampler import RowHistory
+
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3)
+    h = RowHistory(3, [1], [0, 0, 2])
+    n = 20000
+    tokens = torch.tensor(sample(logits.repeat(n, 1), [p] * n, [None] * n, torch.Generator().manual_seed(0),
+                                 [h] * n).token_ids)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    torch.testing.assert_close(freq, reference_adjust(logits, [p], [h])[0].softmax(-1), atol=0.015, rtol=0)
+
+
+def test_without_adjustments_the_existing_path_runs(monkeypatch):
+    """No penalty, bias or min_tokens in the batch: adjust_logits is never called."""
+    from nanovllm.layers import sampler as sampler_module
+
+    def refuse(*args):
+        raise AssertionError("adjust_logits called on a batch without adjustments")
+
+    monkeypatch.setattr(sampler_module, "adjust_logits", refuse)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=3, top_p=0.9, min_p=0.05)]
+    out = sample(torch.randn(2, 50), params, [None, None], torch.Generator().manual_seed(0))
+    assert len(out.token_ids) == 2
+    with pytest.raises(AssertionError, match="adjust_logits called"):
+        sample(torch.randn(1, 50), [SamplingParams(logit_bias={1: 1.0})], [None], None)
+
+
+def test_fused_sampler_path_adjusts_logits_like_the_reference(fused, monkeypatch):
+    """The Triton path (forced on here) gets the adjusted logits: greedy rows take their argmax."""
+    from nanovllm.layers import sampler as sampler_module
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits, params, history = adjusted_batch(device=device)
+    seen, kernel = [], fused.sample_tokens
+
+    def recording(logits, temps, seeds, chunk=fused.CHUNK):
+        seen.append(logits.clone())
+        return kernel(logits, temps, seeds, chunk=chunk)
+
+    monkeypatch.setattr(sampler_module, "_use_fused", lambda logits, params: True)
+    monkeypatch.setattr(fused, "sample_tokens", recording)
+    out = sample(logits, params, [None] * 6, None, history)
+    expected = reference_adjust(logits, params, history)
+    torch.testing.assert_close(seen[0], expected)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    assert [out.token_ids[i] for i in greedy] == expected[greedy].argmax(-1).tolist()
+
+
+def test_fused_sampler_path_without_adjustments_is_unchanged(fused, monkeypatch):
+    from nanovllm.layers import sampler as sampler_module
+
+    def refuse(*args):
+        raise AssertionError("adjust_logits called")
+
+    monkeypatch.setattr(sampler_module, "adjust_logits", refuse)
+    monkeypatch.setattr(sampler_module, "_use_fused", lambda logits, params: True)
+    logits = torch.randn(2, 300)
+    out = sample(logits, [SamplingParams(temperature=0)] * 2, [None, None], None)
+    assert out.token_ids == logits.argmax(-1).tolist()

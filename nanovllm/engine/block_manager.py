@@ -84,6 +84,17 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
+    def fork_prefix(self, parent: Sequence, num_prompt_tokens: int) -> list[int]:
+        """The parent's leading device blocks of computed prompt KV, for another sample of the same prompt
+        to share (as match_prefix: never the block holding the last prompt token)."""
+        limit = min((num_prompt_tokens - 1) // self.block_size, parent.num_computed_tokens // self.block_size)
+        blocks = []
+        for block_id in parent.block_table[:limit]:
+            if is_host_block(block_id):
+                break
+            blocks.append(block_id)
+        return blocks
+
     # ---- allocation ----------------------------------------------------------------------
     def can_admit(self, prefix_blocks: list[int], num_tokens: int) -> bool:
         """Whether a new sequence reusing prefix_blocks can hold num_tokens of KV."""
@@ -98,7 +109,8 @@ class BlockManager:
                 del self.free_blocks[block_id]
             self.ref_count[block_id] += 1
             seq.block_table.append(block_id)
-        self.seq_block_hashes[seq.seq_id] = [self.block_hash[b] for b in prefix_blocks]
+        hashes = [self.block_hash[b] for b in prefix_blocks]  # a forked prefix may not be registered yet
+        self.seq_block_hashes[seq.seq_id] = hashes[: hashes.index(NO_HASH)] if NO_HASH in hashes else hashes
         seq.num_computed_tokens = seq.num_cached_tokens = len(prefix_blocks) * self.block_size
         self.grow(seq, num_tokens)
 

@@ -6,27 +6,38 @@ With async_scheduling, a step launches its forward pass and sampling without wai
 processes the previous step's tokens while the device works: sampled tokens feed the next step on
 the device, and each sampling sequence carries a PLACEHOLDER until its token reaches the host. A
 sequence that stops (EOS, stop string) has then already been scheduled once more; that token is
-dropped. Steps with a request that wants logprobs or prompt logprobs run synchronously.
+dropped. Steps with a request that wants logprobs or prompt logprobs, or whose sampling depends on
+its earlier tokens (repetition, presence or frequency penalty), run synchronously.
+
+A request with n > 1 holds n sequences (samples). The first is queued at once; the others are queued
+when the first has computed the prompt (its first token) and start from its prompt KV blocks, shared
+through the block manager's reference counts (`Scheduler._cached_prefix`); each computes only the
+prompt's last partial block. Sample i draws with seed + i when the request is seeded.
 
 A step that raises fails only its batch: the requests holding KV or a token in flight are aborted and
 `StepFailed` names them; waiting requests go on with the next step.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanovllm import validation
+from nanovllm import request_log, validation
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.models.hub import resolve_model
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,12 +60,28 @@ class StepFailed(RuntimeError):
 
 
 @dataclass
-class _Request:
-    request_id: str
+class _Sample:
+    index: int  # CompletionOutput.index
     seq: Sequence
     text: OutputText | None  # None: no tokenizer, or the caller detokenizes (the server does, in its own thread)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    samples: list[_Sample]
+    prompt: str | None
     prompt_token_ids: list[int]  # one list shared by every output of the request
     stop_token_ids: frozenset[int]
+    unqueued: list[Sequence]  # samples 1..n-1 until the first one has computed the prompt
+
+    @property
+    def seq(self) -> Sequence:
+        return self.samples[0].seq
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.seq.is_finished for sample in self.samples)
 
 
 class LLMEngine:
@@ -63,18 +90,38 @@ class LLMEngine:
             from nanovllm.models.fetch import default_model_path
 
             model = str(default_model_path())
-        self.config = EngineConfig.from_options(model, **options)
-        model_dir = Path(model)
+        path = resolve_model(model, options.get("revision"), options.get("download_dir"))
+        self.config = EngineConfig.from_options(model, str(path), **options)
+        model_dir = Path(self.config.model_path)
         self.tokenizer = _load_tokenizer(model_dir)
         self.runner = ModelRunner(self.config, None if self.config.load_format == "dummy" else model_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching, self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
+        self._log_kv_pool()
         self.requests: dict[str, _Request] = {}
-        self._by_seq_id: dict[int, _Request] = {}
+        self._by_seq_id: dict[int, tuple[_Request, _Sample]] = {}
         self._ids = itertools.count()
         self._pending: tuple[PendingTokens, list[int]] | None = None  # async: launched tokens, their indices
+        self.generation_defaults = generation_defaults(model_dir) if self.config.generation_config == "auto" else {}
+        if self.generation_defaults:
+            logger.info("sampling defaults from %s: %s", model_dir / "generation_config.json", self.generation_defaults)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (generation_config="auto"), as
+        vLLM: used when a request comes without params."""
+        return SamplingParams(**self.generation_defaults)
+
+    def _log_kv_pool(self) -> None:
+        bm, max_len = self.block_manager, self.config.max_model_len
+        gib = self.runner.bytes_per_block / 2**30
+        per_seq = bm.blocks_for_tokens(max_len)
+        logger.info("KV cache on %s: %d device blocks (%.2f GiB) + %d host blocks (%.2f GiB) of %d tokens; "
+                    "max concurrent sequences at max_model_len=%d: %.2f on the device, %.2f with the host pool",
+                    self.runner.device, bm.num_blocks, bm.num_blocks * gib, bm.num_host_blocks,
+                    bm.num_host_blocks * gib, bm.block_size, max_len, bm.num_blocks / per_seq,
+                    (bm.num_blocks + bm.num_host_blocks) / per_seq)
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -100,6 +147,11 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the model's vocab_size={vocab}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary "
+                             f"[0, {vocab}) (the model's vocab_size)")
+        if params.n > 1 and params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if n + 1 > limit:
             raise ValueError(f"prompt has {n} tokens; with one generated token that exceeds max_model_len={limit}")
         kv_tokens = min(n + params.max_tokens, limit) - 1
@@ -115,26 +167,43 @@ class LLMEngine:
                     request_id: str | None = None, detokenize: bool = True) -> str:
         """Queue a request; returns its id. detokenize=False: outputs carry token ids only (text "") and
         stop strings are not checked; the caller turns tokens into text (the server, off this thread)."""
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size, prompt if isinstance(prompt, str) else None)
-        text = OutputText(self.tokenizer, token_ids, params.stop) if self.tokenizer is not None and detokenize else None
-        req = _Request(request_id, seq, text, list(token_ids), frozenset(params.stop_token_ids))
+        prompt_text = prompt if isinstance(prompt, str) else None
+        req = _Request(request_id, [], prompt_text, list(token_ids), frozenset(params.stop_token_ids), [])
+        vocab = self.config.hf_config["vocab_size"]
+        stop_ids = sorted(t for t in self.eos_token_ids | req.stop_token_ids if t < vocab)
+        for index in range(params.n):
+            first = req.samples[0].seq if req.samples else None
+            seq = Sequence(token_ids, _sample_params(params, index), self.config.kvcache_block_size, prompt_text, first)
+            seq.min_tokens_stop_ids = stop_ids
+            text = OutputText.for_params(self.tokenizer, token_ids, params) \
+                if self.tokenizer is not None and detokenize else None
+            req.samples.append(_Sample(index, seq, text))
+            self._by_seq_id[seq.seq_id] = (req, req.samples[-1])
+        req.unqueued = [sample.seq for sample in req.samples[1:]]
         self.requests[request_id] = req
-        self._by_seq_id[seq.seq_id] = req
-        self.scheduler.add(seq)
+        self.scheduler.add(req.seq)
+        request_log.log_request(request_id, len(token_ids), params)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
-        if req is not None:
-            del self._by_seq_id[req.seq.seq_id]
-            self.scheduler.finish(req.seq, "abort")
-            self.runner.release(req.seq)
+        if req is None:
+            return
+        for sample in req.samples:
+            seq = sample.seq
+            self._by_seq_id.pop(seq.seq_id, None)
+            if seq in req.unqueued:
+                seq.finish("abort")
+            elif not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self.runner.release(seq)
+        req.unqueued = []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -165,10 +234,10 @@ class LLMEngine:
         if self._pending is not None:
             seqs += self._pending[0].seqs
             self._pending = None
-        failed = list(dict.fromkeys(self._by_seq_id[s.seq_id].request_id for s in seqs if s.seq_id in self._by_seq_id))
+        failed = list(dict.fromkeys(self._by_seq_id[s.seq_id][0].request_id for s in seqs if s.seq_id in self._by_seq_id))
         for request_id in failed:
             self.abort_request(request_id)
-        self.block_manager.check_invariants([req.seq for req in self.requests.values()])
+        self.block_manager.check_invariants([s.seq for req in self.requests.values() for s in req.samples])
         return failed
 
     def _run_step(self, final_only: bool) -> list[RequestOutput]:
@@ -180,7 +249,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress although requests are pending")
             return []
         offloads = self.block_manager.take_pending_offloads()
-        if self.config.async_scheduling and not any(_wants_logits(item.seq.params) for item in scheduled):
+        if self.config.async_scheduling and not any(_runs_synchronously(item.seq.params) for item in scheduled):
             return self._launch(scheduled, offloads, final_only)
         outputs = []
         if self._pending is not None:
@@ -189,9 +258,9 @@ class LLMEngine:
         sampled = self.runner.run(scheduled, offloads)
         self.scheduler.mark_computed(scheduled)
         for seq_id, (token, logprobs) in sampled.items():
-            req = self._by_seq_id[seq_id]
-            req.seq.append_token(token)
-            self._after_token(req, token, logprobs, final_only, outputs)
+            req, sample = self._by_seq_id[seq_id]
+            sample.seq.append_token(token)
+            self._after_token(req, sample, token, logprobs, final_only, outputs)
         return outputs
 
     def _launch(self, scheduled, offloads, final_only: bool) -> list[RequestOutput]:
@@ -213,64 +282,108 @@ class LLMEngine:
         (pending, indices), self._pending = self._pending, None
         outputs: list[RequestOutput] = []
         for seq, index, token in zip(pending.seqs, indices, pending.tolist()):
-            req = self._by_seq_id.get(seq.seq_id)
-            if req is None or seq.is_finished:  # aborted, or stopped by the previous token
+            found = self._by_seq_id.get(seq.seq_id)
+            if found is None or seq.is_finished:  # aborted, or stopped by the previous token
                 continue
             seq.set_token(index, token)
             self.block_manager.register_computed_blocks(seq)
-            self._after_token(req, token, None, final_only, outputs, num_tokens=index + 1)
+            self._after_token(*found, token, None, final_only, outputs, num_tokens=index + 1)
         return outputs
 
-    def _after_token(self, req: _Request, token: int, logprobs: dict[int, float] | None, final_only: bool,
-                     outputs: list[RequestOutput], num_tokens: int | None = None) -> None:
+    def _after_token(self, req: _Request, sample: _Sample, token: int, logprobs: dict[int, float] | None,
+                     final_only: bool, outputs: list[RequestOutput], num_tokens: int | None = None) -> None:
         """Bookkeeping of a token that is in place at position num_tokens - 1 (default: the last)."""
-        seq = req.seq
+        seq = sample.seq
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        if req.text is not None:
-            req.text.add(token)
-        reason = self._stop_reason(req, token, num_tokens or len(seq))
+        if sample.text is not None:
+            sample.text.add(token)
+        if req.unqueued and sample.index == 0:  # the prompt's KV is computed: the other samples can share it
+            self.scheduler.add_forks(req.unqueued)
+            req.unqueued = []
+        reason = self._stop_reason(req, sample, token, num_tokens or len(seq))
         if reason:
             del seq.token_ids[num_tokens or len(seq):]  # a placeholder launched after it (async)
             self.scheduler.finish(seq, reason)
-        if not final_only or seq.is_finished:
+        if not final_only or req.finished:
             outputs.append(self._output(req))
         if seq.is_finished:
-            del self.requests[req.request_id], self._by_seq_id[seq.seq_id]
+            del self._by_seq_id[seq.seq_id]
             self.runner.release(seq)
+        if req.finished:
+            del self.requests[req.request_id]
 
-    def _stop_reason(self, req: _Request, token: int, num_tokens: int) -> str | None:
-        params = req.seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
+    def _stop_reason(self, req: _Request, sample: _Sample, token: int, num_tokens: int) -> str | None:
+        params, num_output = sample.seq.params, num_tokens - sample.seq.num_prompt_tokens
+        if num_output > params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in req.stop_token_ids:
+                return "stop"
+        if params.stop and sample.text is not None and sample.text.match_stop():
             return "stop"
-        if token in req.stop_token_ids:
-            return "stop"
-        if params.stop and req.text is not None and req.text.match_stop():
-            return "stop"
-        if num_tokens - req.seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
+        if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        text = ""
-        if req.text is not None:
-            text = req.text.final(seq.output_token_ids) if seq.is_finished else req.text.text
         metrics = RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
                                  seq.finish_time, seq.num_cached_tokens, seq.num_preemptions,
                                  seq.density(seq.prefill_blocks), seq.density(seq.decode_blocks), seq.host_kv_bytes_read)
-        token_ids = seq.output_token_ids
-        if token_ids and token_ids[-1] == PLACEHOLDER:  # the next token, launched but not yet here (async)
-            token_ids.pop()
-        completion = CompletionOutput(0, text, token_ids, seq.finish_reason,
-                                      list(seq.logprobs) if seq.params.logprobs is not None else None)
         prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, seq.prompt, req.prompt_token_ids, [completion], seq.is_finished, metrics,
-                             prompt_logprobs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                             [_completion(sample) for sample in req.samples], req.finished, metrics, prompt_logprobs)
 
 
-def _wants_logits(params: SamplingParams) -> bool:
-    return params.logprobs is not None or params.prompt_logprobs is not None
+def _completion(sample: _Sample) -> CompletionOutput:
+    seq = sample.seq
+    text = ""
+    if sample.text is not None:
+        text = sample.text.final(seq.output_token_ids) if seq.is_finished else sample.text.text
+    token_ids = seq.output_token_ids
+    if token_ids and token_ids[-1] == PLACEHOLDER:  # the next token, launched but not yet here (async)
+        token_ids.pop()
+    return CompletionOutput(sample.index, text, token_ids, seq.finish_reason,
+                            list(seq.logprobs) if seq.params.logprobs is not None else None)
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample index's own params: n=1, seed + index, prompt logprobs only on the first."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed,
+                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+
+
+def _runs_synchronously(params: SamplingParams) -> bool:
+    """Logits go back to the host (logprobs), or sampling needs the tokens still in flight (penalties)."""
+    return params.logprobs is not None or params.prompt_logprobs is not None or params.penalizes
+
+
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: Path) -> dict:
+    """SamplingParams fields set by the model's generation_config.json (vLLM's `--generation-config auto`:
+    temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens); checked here."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    defaults = {ours: config[theirs] for theirs, ours in GENERATION_FIELDS.items() if config.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return defaults
 
 
 def _load_tokenizer(model_dir: Path):

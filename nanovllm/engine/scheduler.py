@@ -46,6 +46,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_forks(self, seqs: list[Sequence]) -> None:
+        """Samples of a running request (n > 1), queued first: they share its prompt's blocks."""
+        self.waiting.extendleft(reversed(seqs))
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -69,9 +73,7 @@ class Scheduler:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # Prompt logprobs need logits at every prompt position, so such requests skip the cache.
-            wants_prompt_logprobs = seq.params.prompt_logprobs is not None
-            prefix = [] if wants_prompt_logprobs else self.block_manager.match_prefix(seq.token_ids)
+            prefix = self._cached_prefix(seq)
             cached = len(prefix) * self.block_manager.block_size
             n = min(len(seq) - cached, budget)
             if self.block_manager.num_host_blocks and not self.block_manager.can_admit(prefix, cached + n):
@@ -87,6 +89,14 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks seq can start from: its parent's prompt blocks (another sample of the same request), else
+        the prefix cache's. Prompt logprobs need logits at every prompt position: such requests skip both."""
+        if seq.params.prompt_logprobs is not None:
+            return []
+        forked = self.block_manager.fork_prefix(seq.parent, seq.num_prompt_tokens) if seq.parent is not None else []
+        return forked or self.block_manager.match_prefix(seq.token_ids)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         return seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len

@@ -20,8 +20,11 @@ PLACEHOLDER = -1  # a sampled token still on the device (async scheduling)
 class Sequence:
     _ids = itertools.count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None):
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int, prompt: str | None = None,
+                 parent: Sequence | None = None):
         self.seq_id = next(Sequence._ids)
+        self.parent = parent  # n > 1: the request's first sample, whose prompt KV blocks this one shares
+        self.min_tokens_stop_ids: list[int] = []  # EOS and stop_token_ids, masked below params.min_tokens
         self.status = SequenceStatus.WAITING
         self.prompt = prompt
         self.token_ids = list(token_ids)

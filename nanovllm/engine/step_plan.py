@@ -14,7 +14,8 @@ from nanovllm.engine.block_manager import HOST_BASE
 from nanovllm.engine.offload.staged import COPIES_PER_LAYER, split_runs
 from nanovllm.engine.offload.host_pool import consecutive_runs
 from nanovllm.engine.scheduler import ScheduledSeq
-from nanovllm.engine.sequence import PLACEHOLDER
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.layers.sampler import RowHistory
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class StepPlan:
     sample_rows: list[int]  # the rows whose logits are sampled, one per sampling sequence ...
     sample_seq_ids: list[int]  # ... their sequences ...
     sample_params: list[SamplingParams]  # ... and sampling parameters
+    sample_history: list[RowHistory | None] | None = None  # per sampling row, for penalties/min_tokens; None: no row has any
     seq_ids: list[int] = field(default_factory=list)  # the step's sequences, in batch order
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # finished sequences: the worker drops their state
@@ -88,6 +90,8 @@ class StepPlanner:
         plan.seq_ids = [s.seq_id for s in seqs]
         plan.sample_seq_ids = [item.seq.seq_id for item in sampling]
         plan.sample_params = [item.seq.params for item in sampling]
+        if any(p.adjusts_logits for p in plan.sample_params):
+            plan.sample_history = [_row_history(item.seq) for item in sampling]
         plan.released, self._released = self._released, []
         if launched:
             self._last_rows = {seq_id: i for i, seq_id in enumerate(plan.sample_seq_ids)}
@@ -162,3 +166,13 @@ class StepPlanner:
 
     def _input_id(self, seq_id: int, token: int) -> int:
         return token if token != PLACEHOLDER else -1 - self._last_rows[seq_id]
+
+
+def _row_history(seq: Sequence) -> RowHistory | None:
+    """What the sampler's logit adjustments need of seq (its tokens are all on the host: steps with
+    penalties run synchronously)."""
+    p = seq.params
+    if not p.adjusts_logits:
+        return None
+    return RowHistory(seq.num_output_tokens, seq.prompt_token_ids if p.repetition_penalty != 1.0 else None,
+                      seq.output_token_ids if p.penalizes else None, seq.min_tokens_stop_ids if p.min_tokens else [])

@@ -143,7 +143,7 @@ class Worker:
         if logits is None:
             return StepOutput({}, prompt_logprobs, stats)
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
-        out = sample(logits, plan.sample_params, generators, self.default_generator)
+        out = sample(logits, plan.sample_params, generators, self.default_generator, plan.sample_history)
         return StepOutput({i: (t, lp) for i, t, lp in zip(plan.sample_seq_ids, out.token_ids, out.logprobs)},
                           prompt_logprobs, stats)
 
@@ -155,7 +155,8 @@ class Worker:
         if logits is None:
             return None, stats
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
-        tokens = sample_on_device(logits, plan.sample_params, generators, self.default_generator)
+        tokens = sample_on_device(logits, plan.sample_params, generators, self.default_generator,
+                                  plan.sample_history)
         self.last_tokens[: len(tokens)].copy_(tokens)
         return tokens, stats
 

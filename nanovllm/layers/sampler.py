@@ -5,14 +5,29 @@ p_i; it is computed as argmax(scores - log E) on the filtered, temperature-scale
 same argmax without a softmax pass. The noise of a seeded request comes from its own generator, so
 its tokens do not depend on what else is in the batch. On CUDA, batches without top-k/top-p/min-p use
 a one-pass Triton kernel instead (Gumbel-max with in-kernel Philox noise: the same distribution).
+
+Rows whose params adjust the logits (logit_bias, min_tokens, repetition/presence/frequency penalties)
+go through `adjust_logits` first, in vLLM's order: bias, the min_tokens mask, then penalties; the
+filters and either sampler then see the adjusted logits. Without such a row nothing of it runs.
+Logprobs are those of the raw logits (vLLM's default `raw_logprobs`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class RowHistory:
+    """What the logit adjustments of one sampling row need beyond its params."""
+
+    num_output_tokens: int  # generated before the token being sampled
+    prompt_token_ids: list[int] | None = None  # with a repetition penalty
+    output_token_ids: list[int] | None = None  # with any penalty
+    stop_token_ids: list[int] = field(default_factory=list)  # masked while num_output_tokens < min_tokens
 
 
 @dataclass
@@ -52,9 +67,10 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
+    history: list[RowHistory | None] | None = None,
 ) -> SamplerOutput:
     """logits: [B, V] float32. Returns one token per row."""
-    token_list = sample_on_device(logits, params, generators, default_generator).tolist()
+    token_list = sample_on_device(logits, params, generators, default_generator, history).tolist()
     return SamplerOutput(token_list, _logprobs(logits, token_list, params))
 
 
@@ -63,9 +79,13 @@ def sample_on_device(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
+    history: list[RowHistory | None] | None = None,
 ) -> torch.Tensor:
-    """The sampled tokens as an int64 tensor on logits' device, without waiting for the device."""
-    if logits.is_cuda and not all(p.greedy for p in params) and not any(_filters(p, logits.shape[-1]) for p in params):
+    """The sampled tokens as an int64 tensor on logits' device, without waiting for the device.
+    history: per row, what penalties and min_tokens need (None for rows without them)."""
+    if any(p.adjusts_logits for p in params):
+        logits = adjust_logits(logits, params, history or [None] * len(params))
+    if _use_fused(logits, params):
         return _fused_sample(logits, params, generators, default_generator)
     tokens = logits.argmax(dim=-1)
     if not all(p.greedy for p in params):
@@ -78,6 +98,73 @@ def sample_on_device(
         sampled = torch.sub(scores, noise.log_()).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens
+
+
+def _use_fused(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
+    return logits.is_cuda and not all(p.greedy for p in params) and not any(_filters(p, logits.shape[-1]) for p in params)
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory | None]) -> torch.Tensor:
+    """A copy of logits with each row's logit_bias added, its stop tokens masked below min_tokens, and its
+    repetition, presence and frequency penalties applied (vLLM's semantics)."""
+    logits = logits.clone()
+    _add_bias(logits, params)
+    _mask_below_min_tokens(logits, params, history)
+    rows = [i for i, p in enumerate(params) if p.penalizes]
+    if rows:
+        logits[_to(logits.device, rows)] = _penalize(logits[rows], [params[i] for i in rows], [history[i] for i in rows])
+    return logits
+
+
+def _add_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    if entries:
+        rows, tokens, biases = zip(*entries)
+        device = logits.device
+        logits.index_put_((_to(device, list(rows)), _to(device, list(tokens))),
+                          _to(device, list(biases)).to(logits.dtype), accumulate=True)
+
+
+def _mask_below_min_tokens(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory | None]) -> None:
+    entries = [(i, t) for i, (p, h) in enumerate(zip(params, history))
+               if p.min_tokens and _required(h, "min_tokens").num_output_tokens < p.min_tokens
+               for t in h.stop_token_ids]
+    if entries:
+        rows, tokens = zip(*entries)
+        logits[_to(logits.device, list(rows)), _to(logits.device, list(tokens))] = float("-inf")
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], history: list[RowHistory | None]) -> torch.Tensor:
+    """logits [R, V] of rows with penalties: repetition over prompt + output tokens, presence and
+    frequency over output tokens."""
+    device, (num_rows, vocab) = logits.device, logits.shape
+    history = [_required(h, "penalties") for h in history]
+    counts = _token_counts([h.output_token_ids or [] for h in history], num_rows, vocab, device)
+    in_output = counts > 0
+    repetition = [p.repetition_penalty for p in params]
+    if any(r != 1.0 for r in repetition):
+        seen = in_output | (_token_counts([h.prompt_token_ids or [] for h in history], num_rows, vocab, device) > 0)
+        rep = _to(device, repetition).to(logits.dtype)[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    frequency = _to(device, [p.frequency_penalty for p in params]).to(logits.dtype)[:, None]
+    presence = _to(device, [p.presence_penalty for p in params]).to(logits.dtype)[:, None]
+    return logits - frequency * counts - presence * in_output
+
+
+def _token_counts(token_lists: list[list[int]], num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32: how often each token occurs in each row's list."""
+    counts = torch.zeros(num_rows, vocab, device=device)
+    rows = [i for i, tokens in enumerate(token_lists) for _ in tokens]
+    if rows:
+        tokens = [t for ts in token_lists for t in ts]
+        counts.index_put_((_to(device, rows), _to(device, tokens)), torch.ones(len(rows), device=device), accumulate=True)
+    return counts
+
+
+def _required(history: RowHistory | None, what: str) -> RowHistory:
+    if history is None:
+        raise ValueError(f"sampling with {what} needs the row's token history")
+    return history
 
 
 def _to(device: torch.device, values: list) -> torch.Tensor:

@@ -49,7 +49,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     if samples_file:
         samples = samples_from_file(samples_file, names, lengths, num_samples)
     else:
-        samples = make_samples(generator, llm.tokenizer, str(llm.config.model), lengths, names, num_samples,
+        samples = make_samples(generator, llm.tokenizer, llm.config.model_path, lengths, names, num_samples,
                                template, seed)
     prompter = Prompter(llm.tokenizer, template)
     token_ids = [prompter.encode(s["prompt"]) for s in samples]
@@ -188,7 +188,7 @@ def _hf_check(llm, samples: list[dict], token_ids: list[list[int]], records: lis
     """Score HF transformers' greedy predictions on the same prompts; per task and length, both scores."""
     from nanovllm.eval.ruler.hf_check import hf_predictions
 
-    predictions = hf_predictions(str(llm.config.model), token_ids, [s["max_new_tokens"] for s in samples],
+    predictions = hf_predictions(llm.config.model_path, token_ids, [s["max_new_tokens"] for s in samples],
                                  use_tqdm=use_tqdm)
     hf_records = []
     for s, rec, pred in zip(samples, records, predictions):
