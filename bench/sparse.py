@@ -9,10 +9,15 @@
   bounds and its dense layers' device mirror come on top and are printed): Quest at token budgets 2048 and 4096 against dense offload, on the same
   prefilled sequences (the selector is swapped between timings); host bytes per step, the PCIe floor of
   those bytes and the GB/s achieved;
-- GPU-only decode, Quest against dense, same sequences.
+- GPU-only decode, Quest against dense, same sequences;
+- with --model and --samples-file (RULER samples saved by `nanovllm ruler --save-samples`): end-to-end
+  prefill of real prompts through a real model, one prompt at a time, dense and XAttention engines
+  alternating, with the density each prompt got (real attention patterns, unlike random weights).
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
         [--skip-prefill] [--skip-offload] [--skip-gpu-only]
+    PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
+        --skip-offload --skip-gpu-only
 """
 from __future__ import annotations
 
@@ -179,6 +184,40 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     return results
 
 
+def e2e_prefill(model: str, samples_file: str, num_prompts: int, threshold: float) -> dict:
+    """Time to first token of real prompts, dense vs XAttention (sparse_min_context 0), same process."""
+    import time
+
+    from nanovllm.eval.ruler.run import load_samples
+    from nanovllm.eval.ruler.templates import Prompter
+
+    samples = sorted(load_samples(samples_file), key=lambda s: -s["prompt_tokens"])[:num_prompts]
+    engines = {name: LLM(model, sparse_policy=name, sparse_min_context=0, xattn_threshold=threshold,
+                         enable_prefix_caching=False) for name in ("full", "xattention")}
+    prompter = Prompter(engines["full"].tokenizer, "chat")
+    prompts = [prompter.encode(s["prompt"]) for s in samples]  # as `nanovllm ruler` sends them
+    first = SamplingParams(temperature=0, max_tokens=1)
+    for llm in engines.values():  # compiles every kernel variant on one prompt
+        llm.generate([prompts[-1]], first, use_tqdm=False)
+    seconds = {name: 0.0 for name in engines}
+    densities = []
+    for ids in prompts:
+        for name, llm in engines.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = llm.generate([ids], first, use_tqdm=False)[0]
+            torch.cuda.synchronize()
+            seconds[name] += time.perf_counter() - start
+            if name == "xattention":
+                densities.append(out.metrics.prefill_density)
+    tokens = sum(map(len, prompts))
+    result = dict(prompts=len(samples), tokens=tokens, dense_s=seconds["full"], xattention_s=seconds["xattention"],
+                  speedup=seconds["full"] / seconds["xattention"], mean_density=sum(densities) / len(densities))
+    log(f"end-to-end prefill, {len(samples)} prompts ({tokens} tokens): dense {seconds['full']:.2f} s, XAttention "
+        f"{seconds['xattention']:.2f} s -> {result['speedup']:.2f}x at mean density {result['mean_density']:.3f}")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(HERE / "configs" / "llama-3.1-8b"))
@@ -192,6 +231,9 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-gpu-only", action="store_true")
+    ap.add_argument("--model", help="a real model for the end-to-end prefill (with --samples-file)")
+    ap.add_argument("--samples-file", help="RULER samples (nanovllm ruler --save-samples) for --model")
+    ap.add_argument("--prompts", type=int, default=8, help="the longest N prompts of --samples-file")
     args = ap.parse_args()
     require_cuda()
     results: dict = {}
@@ -207,6 +249,8 @@ def main() -> None:
     if not args.skip_gpu_only:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
                                                   False, None)
+    if args.model and args.samples_file:
+        results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold)
     save_results("sparse", results)
 
 
