@@ -72,9 +72,9 @@ class _Sampling(_Model):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     user: str | None = None
     # Sampling fields passed to SamplingParams by keyword once it has them (see sampling_params_from_request).
     presence_penalty: float | None = None
@@ -88,7 +88,7 @@ class _Sampling(_Model):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # a vLLM extension
     best_of: int | None = None
@@ -104,7 +104,7 @@ class ChatTemplateOptions(_Model):
 class ChatRequest(_Sampling, ChatTemplateOptions):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -175,22 +175,24 @@ def validate(model: type[BaseModel], body: dict, route: str) -> BaseModel:
         request = model.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    if request.model_extra:
-        log.warning("%s: ignored unknown fields %s", route, ", ".join(ascii(k) for k in request.model_extra))
+    unknown = [name for name in request.model_extra or {} if name not in REFUSED_UNLESS]
+    if unknown:
+        log.warning("%s: ignored unknown fields %s", route, ", ".join(ascii(name) for name in unknown))
     return request
 
 
 def parse_completion(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
     req = validate(CompletionRequest, body, "/v1/completions")
     _refuse_unsupported(req)
-    if req.best_of not in (None, req.n):
-        raise APIError(400, f"best_of must be omitted or equal to n={req.n}, got {req.best_of}", "best_of")
+    n = req.n or 1
+    if req.best_of not in (None, n):
+        raise APIError(400, f"best_of must be omitted or equal to n={n}, got {req.best_of}", "best_of")
     prompt_logprobs = req.prompt_logprobs
     if req.echo and prompt_logprobs is None:
         prompt_logprobs = req.logprobs  # echoed prompt tokens carry logprobs like the generated ones
     params = sampling_params_from_request(req, req.logprobs, prompt_logprobs)
-    return ParsedRequest(_prompts(req.prompt), None, params, req.max_tokens is not None, req.stream,
-                         _include_usage(req), check_served(req.model, served_names), req.n, req.echo, req.logprobs)
+    return ParsedRequest(_prompts(req.prompt), None, params, req.max_tokens is not None, bool(req.stream),
+                         _include_usage(req), check_served(req.model, served_names), n, bool(req.echo), req.logprobs)
 
 
 def parse_chat(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
@@ -205,8 +207,8 @@ def parse_chat(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:
     check_template_options(req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params_from_request(req, logprobs, None)
-    return ParsedRequest(None, messages(req.messages), params, req.max_tokens is not None, req.stream,
-                         _include_usage(req), check_served(req.model, served_names), req.n, False, logprobs,
+    return ParsedRequest(None, messages(req.messages), params, req.max_tokens is not None, bool(req.stream),
+                         _include_usage(req), check_served(req.model, served_names), req.n or 1, False, logprobs,
                          ChatTemplateOptions(chat_template_kwargs=req.chat_template_kwargs,
                                              add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message))
@@ -261,9 +263,8 @@ def _refuse_unsupported(req: _Model) -> None:
     given = {**(req.model_extra or {}), **{k: getattr(req, k) for k in req.model_fields_set}}
     for name, allowed in REFUSED_UNLESS.items():
         value = given.get(name)
-        if value is not None and not (value == allowed and type(value) is type(allowed)) and value != []:
-            if name == "tool_choice" and value == "none":
-                continue
+        harmless = value in (None, []) or (name == "tool_choice" and value in ("none", "auto"))
+        if not harmless and not (value == allowed and isinstance(value, bool) == isinstance(allowed, bool)):
             raise APIError(400, f"{name} is not supported by this server", name)
 
 
