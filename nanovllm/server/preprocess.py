@@ -121,7 +121,7 @@ class Preprocessor:
             tokens = self.chat_prompt(p.messages(req.messages), req)
         else:
             text = p.checked_text("prompt", req.prompt)
-            tokens = self._tokenize(text, True if req.add_special_tokens is None else req.add_special_tokens)
+            tokens = self._tokenize(text, req.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.llm.config.max_model_len, "tokens": tokens}
 
     def detokenize(self, raw: bytes) -> dict:

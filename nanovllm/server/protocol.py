@@ -116,7 +116,7 @@ class TokenizeRequest(ChatTemplateOptions):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_special_tokens: bool = True  # for a prompt; messages are tokenized as /v1/chat/completions does
 
 
 class DetokenizeRequest(_Model):
@@ -134,9 +134,10 @@ REFUSED_UNLESS = {"suffix": None, "tools": None, "tool_choice": None, "use_beam_
 # Fields given to SamplingParams only where it has them; until then a value other than the default is refused.
 ENGINE_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
                  "logit_bias": None, "include_stop_str_in_output": False, "skip_special_tokens": True}
-CHAT_TEMPLATE_RESERVED = ("conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
+# apply_chat_template's own parameters: chat_template_kwargs reach the template only, never these.
+CHAT_TEMPLATE_RESERVED = ("conversation", "messages", "tokenize", "return_dict", "return_tensors", "chat_template",
                           "add_generation_prompt", "continue_final_message", "tools", "documents", "padding",
-                          "truncation", "max_length")
+                          "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 # ---- parsing ---------------------------------------------------------------------------------------------------
@@ -171,11 +172,12 @@ def parse_json(raw: bytes) -> dict:
 
 def validate(model: type[BaseModel], body: dict, route: str) -> BaseModel:
     """body as `model`; a ValidationError becomes a 400 naming the field, unknown fields one warning."""
+    not_unicode = [name for name in body if not _is_unicode(name)]  # never a field name; pydantic cannot take it
     try:
-        request = model.model_validate(body)
+        request = model.model_validate({k: v for k, v in body.items() if k not in not_unicode})
     except ValidationError as e:
         raise _validation_error(e) from None
-    unknown = [name for name in request.model_extra or {} if name not in REFUSED_UNLESS]
+    unknown = [name for name in request.model_extra or {} if name not in REFUSED_UNLESS] + not_unicode
     if unknown:
         log.warning("%s: ignored unknown fields %s", route, ", ".join(ascii(name) for name in unknown))
     return request
@@ -375,6 +377,14 @@ def _depth(value) -> int:
 def _kind(value) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
             type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _encodable(text: str) -> str:
