@@ -32,7 +32,7 @@ def server(smollm2_path, tmp_path_factory):
     args = ["--num-gpu-blocks", "64", "--max-pending-requests", str(MAX_PENDING), "--chat-template", str(template)]
     srv = ServerProcess(smollm2_path, args, tmp / "server.log", model_option=True)
     yield srv
-    assert srv.stop() in (0, -signal.SIGTERM), log.read_text()[-3000:]  # uvicorn re-raises the signal after draining
+    assert srv.stop() in (0, -signal.SIGTERM), srv.log_path.read_text()[-3000:]  # uvicorn re-raises SIGTERM after draining
 
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ class OpenAIServer:
         except p.APIError as e:
             self.metrics.record_rejected("overloaded" if e.status in (429, 503) else "invalid")
             return error_response(e)
-        choices = _Choices(prepared, chat, self.token_texts)
+        choices = r.Choices(prepared, chat, self.token_texts)
         if prepared.parsed.stream:
             return StreamingResponse(self._sse(streams, choices, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -218,7 +218,7 @@ class OpenAIServer:
         except RequestFailed as e:
             raise _stream_error(e) from None
 
-    async def _sse(self, streams: list[RequestStream], choices: "_Choices", rid: str) -> AsyncIterator[str]:
+    async def _sse(self, streams: list[RequestStream], choices: r.Choices, rid: str) -> AsyncIterator[str]:
         created, model, chat = r.now(), choices.parsed.model, choices.chat
         finals: list[RequestOutput | None] = [None] * len(streams)
         async with _all(streams):
@@ -238,73 +238,6 @@ class OpenAIServer:
         if choices.parsed.include_usage and all(out is not None for out in finals):
             yield _event(r.usage_chunk(rid, model, created, chat, choices.usage(finals)))
         yield "data: [DONE]\n\n"
-
-
-class _Choices:
-    """A request's choices (prompt i, sample j -> index i * n + j): final bodies and streamed deltas."""
-
-    def __init__(self, prepared: PreparedRequest, chat: bool, token_texts: r.TokenTexts):
-        self.parsed, self.chat, self.text_of = prepared.parsed, chat, token_texts
-        self.prompts = [prepared.prompts[i // prepared.parsed.n] for i in range(len(prepared.prompts) * prepared.parsed.n)]
-        # Hold back the tail that could be the start of a stop string, so text cut by a stop never reaches the client.
-        self.hold = max((len(s) for s in prepared.parsed.params.stop), default=1) - 1
-        self.sent_text = [""] * len(self.prompts)
-        self.sent_tokens = [0] * len(self.prompts)
-        self.offsets = [0] * len(self.prompts)
-        self.started = [False] * len(self.prompts)
-
-    def usage(self, outs: list[RequestOutput]) -> dict:
-        n = self.parsed.n
-        prompt_tokens = sum(len(out.prompt_token_ids) for out in outs[::n])
-        return r.usage(prompt_tokens, sum(len(c.token_ids) for out in outs for c in out.outputs))
-
-    def final(self, outs: list[RequestOutput]) -> list[dict]:
-        choices = []
-        for i, out in enumerate(outs):
-            for completion in out.outputs:  # one per engine request; several once the engine samples n itself
-                choices.append(self._choice(len(choices), i, out, completion))
-        return choices
-
-    def _choice(self, index: int, i: int, out: RequestOutput, completion) -> dict:
-        ids, entries = completion.token_ids, completion.logprobs
-        if self.chat:
-            logprobs = None if entries is None else r.chat_logprobs(ids, entries, self.text_of, self.parsed.logprobs)
-            return r.chat_choice(index, completion.text, completion.finish_reason, logprobs)
-        text, echo_ids, echo_entries = self._echo(i, out)
-        logprobs = None
-        if self.parsed.logprobs is not None:
-            logprobs = r.completion_logprobs(echo_ids + ids, echo_entries + entries[: len(ids)], self.text_of)
-        prompt_logprobs = None
-        if self.parsed.params.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            prompt_logprobs = r.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.text_of)
-        return r.completion_choice(index, text + completion.text, completion.finish_reason, logprobs, prompt_logprobs)
-
-    def _echo(self, i: int, out: RequestOutput) -> tuple[str, list[int], list]:
-        """The echoed prompt: its text, token ids and logprob entries (none unless echo)."""
-        if not self.parsed.echo:
-            return "", [], []
-        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        return self.prompts[i].text, list(out.prompt_token_ids), list(entries)
-
-    def delta(self, i: int, out: RequestOutput) -> tuple[str, str | None, dict | None]:
-        """What choice i adds to the stream with this output: text, finish reason, logprobs of the new tokens."""
-        completion = out.outputs[0]
-        text = completion.text if out.finished else completion.text[: max(0, len(completion.text) - self.hold)]
-        delta = text[len(self.sent_text[i]):] if text.startswith(self.sent_text[i]) else ""
-        self.sent_text[i] = text if text.startswith(self.sent_text[i]) else self.sent_text[i]
-        echo_text, echo_ids, echo_entries = ("", [], []) if self.started[i] else self._echo(i, out)
-        self.started[i] = True
-        ids = completion.token_ids[self.sent_tokens[i]:]
-        entries = (completion.logprobs or [])[self.sent_tokens[i]: len(completion.token_ids)]
-        self.sent_tokens[i] = len(completion.token_ids)
-        logprobs = None
-        if self.parsed.logprobs is not None and (ids or echo_ids):
-            if self.chat:
-                logprobs = r.chat_logprobs(ids, entries, self.text_of, self.parsed.logprobs)
-            else:
-                logprobs = r.completion_logprobs(echo_ids + ids, echo_entries + entries, self.text_of, self.offsets[i])
-                self.offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        return echo_text + delta, completion.finish_reason if out.finished else None, logprobs
 
 
 @contextlib.asynccontextmanager

@@ -154,6 +154,7 @@ class ParsedRequest:
     echo: bool = False
     logprobs: int | None = None  # completions: top-N per token; chat: top_logprobs when logprobs is true
     template: ChatTemplateOptions | None = None
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs was asked for (not only echo's)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -194,7 +195,8 @@ def parse_completion(body: dict, served_names: tuple[str, ...]) -> ParsedRequest
         prompt_logprobs = req.logprobs  # echoed prompt tokens carry logprobs like the generated ones
     params = sampling_params_from_request(req, req.logprobs, prompt_logprobs)
     return ParsedRequest(_prompts(req.prompt), None, params, req.max_tokens is not None, bool(req.stream),
-                         _include_usage(req), check_served(req.model, served_names), n, bool(req.echo), req.logprobs)
+                         _include_usage(req), check_served(req.model, served_names), n, bool(req.echo), req.logprobs,
+                         prompt_logprobs=req.prompt_logprobs is not None)
 
 
 def parse_chat(body: dict, served_names: tuple[str, ...]) -> ParsedRequest:

@@ -1,11 +1,15 @@
-"""OpenAI response shapes: completion and chat bodies, SSE chunks, usage, and logprobs in OpenAI's two layouts
-(completions: parallel lists; chat: one object per token)."""
+"""OpenAI response shapes: completion and chat bodies, SSE chunks, usage, logprobs in OpenAI's two layouts
+(completions: parallel lists; chat: one object per token), and `Choices`, which builds a request's choices from
+its engine outputs."""
 from __future__ import annotations
 
 import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
+
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.server.preprocess import PreparedRequest
 
 Entry = dict[int, float] | None  # a position's {token id: logprob}: the token first, then the top-N
 TokenText = Callable[[int], str]
@@ -116,3 +120,71 @@ def chunk(rid: str, model: str, created: int, chat: bool, index: int, delta: str
 def usage_chunk(rid: str, model: str, created: int, chat: bool, usage_: dict) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [], "usage": usage_}
+
+
+class Choices:
+    """A request's choices (prompt i, sample j -> index i * n + j): final bodies and streamed deltas."""
+
+    def __init__(self, prepared: PreparedRequest, chat: bool, token_texts: TokenTexts):
+        self.parsed, self.chat, self.text_of = prepared.parsed, chat, token_texts
+        n = prepared.parsed.n
+        self.prompts = [prepared.prompts[i // n] for i in range(len(prepared.prompts) * n)]
+        # Hold back the tail that could be the start of a stop string, so text cut by a stop never reaches the client.
+        self.hold = max((len(s) for s in prepared.parsed.params.stop), default=1) - 1
+        self.sent_text = [""] * len(self.prompts)
+        self.sent_tokens = [0] * len(self.prompts)
+        self.offsets = [0] * len(self.prompts)
+        self.started = [False] * len(self.prompts)
+
+    def usage(self, outs: list[RequestOutput]) -> dict:
+        n = self.parsed.n
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outs[::n])
+        return usage(prompt_tokens, sum(len(c.token_ids) for out in outs for c in out.outputs))
+
+    def final(self, outs: list[RequestOutput]) -> list[dict]:
+        choices = []
+        for i, out in enumerate(outs):
+            for completion in out.outputs:  # one per engine request; several once the engine samples n itself
+                choices.append(self._choice(len(choices), i, out, completion))
+        return choices
+
+    def _choice(self, index: int, i: int, out: RequestOutput, completion: CompletionOutput) -> dict:
+        ids, entries = completion.token_ids, completion.logprobs
+        if self.chat:
+            logprobs = None if entries is None else chat_logprobs(ids, entries, self.text_of, self.parsed.logprobs)
+            return chat_choice(index, completion.text, completion.finish_reason, logprobs)
+        text, echo_ids, echo_entries = self._echo(i, out)
+        logprobs = None
+        if self.parsed.logprobs is not None:
+            logprobs = completion_logprobs(echo_ids + ids, echo_entries + entries[: len(ids)], self.text_of)
+        prompt_lps = None
+        if self.parsed.prompt_logprobs and out.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.text_of)
+        return completion_choice(index, text + completion.text, completion.finish_reason, logprobs, prompt_lps)
+
+    def _echo(self, i: int, out: RequestOutput) -> tuple[str, list[int], list]:
+        """The echoed prompt: its text, token ids and logprob entries (none unless echo)."""
+        if not self.parsed.echo:
+            return "", [], []
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return self.prompts[i].text, list(out.prompt_token_ids), list(entries)
+
+    def delta(self, i: int, out: RequestOutput) -> tuple[str, str | None, dict | None]:
+        """What choice i adds to the stream with this output: text, finish reason, logprobs of the new tokens."""
+        completion = out.outputs[0]
+        text = completion.text if out.finished else completion.text[: max(0, len(completion.text) - self.hold)]
+        delta = text[len(self.sent_text[i]):] if text.startswith(self.sent_text[i]) else ""
+        self.sent_text[i] = text if text.startswith(self.sent_text[i]) else self.sent_text[i]
+        echo_text, echo_ids, echo_entries = ("", [], []) if self.started[i] else self._echo(i, out)
+        self.started[i] = True
+        ids = completion.token_ids[self.sent_tokens[i]:]
+        entries = (completion.logprobs or [])[self.sent_tokens[i]: len(completion.token_ids)]
+        self.sent_tokens[i] = len(completion.token_ids)
+        logprobs = None
+        if self.parsed.logprobs is not None and (ids or echo_ids):
+            if self.chat:
+                logprobs = chat_logprobs(ids, entries, self.text_of, self.parsed.logprobs)
+            else:
+                logprobs = completion_logprobs(echo_ids + ids, echo_entries + entries, self.text_of, self.offsets[i])
+                self.offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        return echo_text + delta, completion.finish_reason if out.finished else None, logprobs
