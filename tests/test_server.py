@@ -32,7 +32,7 @@ def server(smollm2_path, tmp_path_factory):
     args = ["--num-gpu-blocks", "64", "--max-pending-requests", str(MAX_PENDING), "--chat-template", str(template)]
     srv = ServerProcess(smollm2_path, args, tmp / "server.log", model_option=True)
     yield srv
-    assert srv.stop() in (0, -signal.SIGTERM), srv.log_path.read_text()[-3000:]  # uvicorn re-raises SIGTERM after draining
+    assert srv.stop() in (0, -signal.SIGTERM), srv.log_path.read_text()[-3000:]  # uvicorn re-raises SIGTERM
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +319,8 @@ def test_a_list_of_prompts_and_n(server, client, llm):
             assert sampled.choices[i * 2 + j].text == alone
     assert sampled.choices[0].text != sampled.choices[1].text
     chat = client.chat.completions.create(model="smollm2", messages=CHATS[0], max_tokens=4, n=2, temperature=0)
-    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
     too_many = post(server, "/v1/completions", {"prompt": PROMPTS, "n": 2, "max_tokens": 1})
     assert too_many.status_code == 400 and "max_pending_requests=3" in too_many.json()["error"]["message"]
 
@@ -431,7 +432,8 @@ def test_tokenize_detokenize_version_and_model_card(server, llm):
     assert chat["tokens"] == llm.tokenizer.apply_chat_template(CHATS[0], tokenize=True,
                                                                add_generation_prompt=True)["input_ids"]
     assert post(server, "/detokenize", {"tokens": ids}).json() == {"prompt": PROMPTS[0]}
-    for path, body, param in [("/detokenize", {"tokens": [49152]}, "tokens"), ("/detokenize", {"tokens": "a"}, "tokens"),
+    for path, body, param in [("/detokenize", {"tokens": [49152]}, "tokens"),
+                              ("/detokenize", {"tokens": "a"}, "tokens"),
                               ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 1}, "prompt"),
                               ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model")]:
         response = post(server, path, body)

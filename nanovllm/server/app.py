@@ -3,9 +3,10 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streaming), GET /v1/models and
 /v1/models/{id}, POST /tokenize and /detokenize, GET /version, /health and /metrics (Prometheus text). A
 completion request with several prompts, or n > 1, runs one engine request per prompt and choice. With an
-API key, every route but /health, /metrics and /version needs it; CORS only for --allowed-origins. SIGTERM/SIGINT: new requests get 503 while the requests in flight
-finish, then the engine thread stops and the process exits; a second signal exits at once. If the engine
-breaks, /health says so and the process exits with status 1, for a supervisor to restart it.
+API key, every route but /health, /metrics and /version needs it; CORS only for --allowed-origins.
+SIGTERM/SIGINT: new requests get 503 while the requests in flight finish, then the engine thread stops and
+the process exits; a second signal exits at once. If the engine breaks, /health says so and the process
+exits with status 1, for a supervisor to restart it.
 """
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ class Preprocessor:
         field = "messages" if chat else "prompt"
         return PreparedRequest(parsed, [self._prompt(ids, text, parsed, chat, field) for ids, text in prompts], field)
 
-    def _prompt(self, token_ids: list[int], text: str, parsed: p.ParsedRequest, chat: bool, field: str) -> PreparedPrompt:
+    def _prompt(self, token_ids: list[int], text: str, parsed: p.ParsedRequest, chat: bool,
+                field: str) -> PreparedPrompt:
         params = dataclasses.replace(parsed.params, max_tokens=self._max_tokens(len(token_ids), parsed, chat))
         self._check(token_ids, params, parsed.max_tokens_given, field)
         return PreparedPrompt(token_ids, params, text)
