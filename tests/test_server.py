@@ -311,18 +311,32 @@ def test_a_list_of_prompts_and_n(server, client, llm):
     assert batch.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
     assert batch.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
     kwargs = dict(model="smollm2", max_tokens=6, temperature=1.0, seed=11)
-    sampled = client.completions.create(prompt=PROMPTS[:2], n=2, **kwargs)
-    assert [c.index for c in sampled.choices] == [0, 1, 2, 3]  # prompt i, sample j -> i * n + j
-    for i, prompt in enumerate(PROMPTS[:2]):
-        for j in range(2):  # sample j is seeded with seed + j, as vLLM seeds its n children
-            alone = client.completions.create(prompt=prompt, **{**kwargs, "seed": 11 + j}).choices[0].text
-            assert sampled.choices[i * 2 + j].text == alone
-    assert sampled.choices[0].text != sampled.choices[1].text
+    sampled = client.completions.create(prompt=PROMPTS[0], n=3, **kwargs)
+    for j in range(3):  # sample j is seeded with seed + j, as vLLM seeds its n children
+        alone = client.completions.create(prompt=PROMPTS[0], **{**kwargs, "seed": 11 + j}).choices[0].text
+        assert sampled.choices[j].index == j and sampled.choices[j].text == alone
+    assert len({c.text for c in sampled.choices}) > 1
     chat = client.chat.completions.create(model="smollm2", messages=CHATS[0], max_tokens=4, n=2, temperature=0)
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[0].message.content == chat.choices[1].message.content
     too_many = post(server, "/v1/completions", {"prompt": PROMPTS, "n": 2, "max_tokens": 1})
     assert too_many.status_code == 400 and "max_pending_requests=3" in too_many.json()["error"]["message"]
+
+
+def test_choice_index_is_prompt_times_n_plus_sample(llm):
+    """Two prompts x n=2 (more than the subprocess server's max_pending_requests=3): in process."""
+    from starlette.testclient import TestClient
+
+    from nanovllm.server.app import OpenAIServer, ServerOptions
+
+    body = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    with TestClient(OpenAIServer(llm, ServerOptions(served_model_name="smollm2")).app) as http:
+        choices = http.post("/v1/completions", json=body).json()["choices"]
+        for i, prompt in enumerate(PROMPTS[:2]):
+            for j in range(2):
+                alone = http.post("/v1/completions", json={**body, "prompt": prompt, "n": 1, "seed": 11 + j}).json()
+                assert choices[i * 2 + j]["index"] == i * 2 + j
+                assert choices[i * 2 + j]["text"] == alone["choices"][0]["text"]
 
 
 def test_completion_logprobs_and_echo_match_llm_generate(client, llm):
