@@ -406,9 +406,11 @@ def test_chat_template_options(server, client, llm):
     ids = tok.apply_chat_template(conversation, tokenize=True, continue_final_message=True)["input_ids"]
     want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert continued.choices[0].message.content == want.text
-    null = client.chat.completions.create(model="smollm2", max_tokens=2, messages=[
-        *CHATS[0], {"role": "assistant", "content": None}, {"role": "user", "content": "And of Italy?"}])
-    assert null.usage.completion_tokens == 2
+    follow_up = [*CHATS[0], {"role": "assistant", "content": None}, {"role": "user", "content": "And of Italy?"}]
+    null = client.chat.completions.create(model="smollm2", max_tokens=2, messages=follow_up)
+    as_empty = [*CHATS[0], {"role": "assistant", "content": ""}, follow_up[-1]]
+    assert null.usage.prompt_tokens == len(tok.apply_chat_template(as_empty, tokenize=True,
+                                                                   add_generation_prompt=True)["input_ids"])
     with_kwargs = post(server, "/v1/chat/completions", {"messages": CHATS[0], "max_tokens": 1,
                                                         "chat_template_kwargs": {"unused_flag": True}})
     assert with_kwargs.status_code == 200
