@@ -58,8 +58,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from nanovllm import LLM
     from nanovllm import request_log
-    from nanovllm.server.app import ServerOptions, api_key_from, serve
+    from nanovllm.server.app import ServerOptions, api_key_from, load_chat_template, serve
 
+    if args.model_option is not None and args.model is not None and args.model_option != args.model:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    model = args.model if args.model is not None else args.model_option
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     for flag in ("max_request_body_bytes", "timeout_keep_alive", "timeout_request_read"):
@@ -68,8 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     request_log.enable(args.enable_log_requests)
     options = ServerOptions(args.served_model_name, args.max_pending_requests, api_key_from(args.api_key),
                             tuple(args.allowed_origins or ()), args.max_request_body_bytes, args.timeout_keep_alive,
-                            args.timeout_request_read)
-    llm = LLM(args.model, **engine_options(args))
+                            args.timeout_request_read, load_chat_template(args.chat_template))
+    llm = LLM(model, **engine_options(args))
     serve(llm, args.host, args.port, options, args.log_level, args.shutdown_timeout)
 
 
@@ -97,8 +100,13 @@ def sampling_params(args: argparse.Namespace, llm):
 def add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                            description="Serve a model over the OpenAI API with continuous batching. Routes: "
-                                       "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+                                       "/v1/completions, /v1/chat/completions, /v1/models[/ID], /tokenize, "
+                                       "/detokenize, /version, /health, /metrics.")
     serve.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    serve.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                       help="the model, as an option (as vLLM's serve accepts it)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, used instead of the model's own")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     serve.add_argument("--served-model-name", default=None,
@@ -109,7 +117,7 @@ def add_serve_parser(sub) -> None:
                        help="seconds to let requests in flight finish after SIGTERM; a second SIGTERM exits at "
                             "once (default: no limit)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                       help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
                             "(default: $NANOVLLM_API_KEY, else no key; prefer the variable: arguments are visible to "
                             "other local users)")
     serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",

@@ -19,11 +19,13 @@ SMALL_ENGINE = ["--dtype", "float32", "--kvcache-block-size", "16", "--max-model
 
 
 class ServerProcess:
-    def __init__(self, model: Path, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, model: Path, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 model_option: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "nanovllm.cli", "serve", str(model), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "nanovllm.cli", "serve", *(["--model"] if model_option else []), str(model),
+               "--port", str(self.port),
                "--served-model-name", "smollm2", "--log-level", "warning", *SMALL_ENGINE, *args]
         inherited = {k: v for k, v in os.environ.items() if k != "NANOVLLM_API_KEY"}  # no key unless asked for
         env = {**inherited, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -44,8 +46,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = m["nanovllm_requests_running"] == m["nanovllm_requests_waiting"] == 0 \
-                and m['nanovllm_kv_blocks_used{pool="gpu"}'] == 0 and m["nanovllm_requests_pending"] == 0
+            idle = m["nanovllm:num_requests_running"] == m["nanovllm:num_requests_waiting"] == 0 \
+                and m['nanovllm:kv_blocks_used{pool="gpu"}'] == 0 and m["nanovllm:num_requests_pending"] == 0
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.2)

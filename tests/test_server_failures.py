@@ -19,6 +19,7 @@ from starlette.testclient import TestClient
 from nanovllm import LLM, SamplingParams
 from nanovllm.server.app import OpenAIServer, ServerOptions
 from nanovllm.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from nanovllm.server.metrics import parse_metrics
 from nanovllm.serving_bench import free_port
 from server_helpers import SMALL_ENGINE
 
@@ -67,7 +68,7 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(llm, monkeypatc
         assert again["usage"]["completion_tokens"] == len(want.token_ids)
         metrics = client.get("/metrics").text
     assert llm.block_manager.num_used_blocks == 0 and not llm.requests
-    assert 'nanovllm_requests_finished_total{finish_reason="error"} 2' in metrics
+    assert parse_metrics(metrics)["nanovllm:request_errors_total"] == 2
 
 
 def test_a_broken_engine_is_reported_and_ends_the_server(llm, monkeypatch):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 httpx = pytest.importorskip("httpx")
 
-from nanovllm.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+from nanovllm.server.protocol import ChatRequest, CompletionRequest
 from server_helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,10 @@ def test_health_and_metrics_are_open_and_models_need_the_key(server, greedy_text
     lowercase = {**AUTH, "Authorization": f"bearer {KEY}"}  # the scheme is case-insensitive
     assert post(server, "/v1/completions", GREEDY, headers=lowercase).json()["choices"][0]["text"] == greedy_text
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    assert "nanovllm_requests_running" in httpx.get(f"{server.url}/metrics").text
+    assert "nanovllm:num_requests_running" in httpx.get(f"{server.url}/metrics").text
+    assert httpx.get(f"{server.url}/version").status_code == 200
+    for path in ("/v1/models/smollm2", "/tokenize", "/detokenize"):
+        assert (httpx.get if "models" in path else httpx.post)(f"{server.url}{path}").status_code == 401
     models = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]
     assert [m["id"] for m in models] == ["smollm2"] and models[0]["root"] == "smollm2"
     assert greedy_text
@@ -181,11 +184,17 @@ def test_idle_keep_alive_connection_is_closed(server):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": 0}, "echo"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [True]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [1, 2**63], "max_tokens": 2}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "\ud800": 1}, "\\ud800"),
 ])
 def test_bad_values_get_400_naming_the_field(server, path, body, param):
     body = json.dumps(body)  # ensure_ascii: lone surrogates travel as \\ud800 escapes, as a hostile client sends them
     assert_openai_error(post(server, path, body, raw=True), 400, param)
+
+
+def test_an_unknown_field_is_ignored_whatever_its_name(server, greedy_text):
+    body = json.dumps({**GREEDY, "\ud800": 1, "x" * 100: {"y": [1]}})  # a lone surrogate as a name, escaped
+    response = post(server, "/v1/completions", body, raw=True)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == greedy_text
+    assert f"ignored unknown fields '{'x' * 100}', '\\ud800'" in server.log_path.read_text()
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -250,11 +259,15 @@ PLAUSIBLE = {  # per field: values a client might send, the accepted ones among 
     "temperature": FLOATS | INTS, "top_p": FLOATS | INTS, "min_p": FLOATS, "top_k": INTS, "seed": INTS,
     "stop": TEXT | st.lists(TEXT, max_size=5), "stop_token_ids": st.lists(INTS, max_size=3),
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "ignore_eos": st.booleans(), "n": st.just(1) | INTS, "logprobs": st.sampled_from([None, False]) | INTS,
+    "ignore_eos": st.booleans(), "n": st.sampled_from([1, 2, 0, -1, 129, 2**63, True]), "logprobs": st.sampled_from([None, False]) | INTS,
     "echo": st.booleans(), "best_of": st.just(1) | INTS, "suffix": NONE_OR_JSON, "top_logprobs": st.just(0) | INTS,
     "presence_penalty": st.just(0) | FLOATS, "frequency_penalty": st.just(0) | FLOATS,
     "logit_bias": st.just({}) | st.dictionaries(TEXT, INTS, max_size=2), "user": TEXT, "tools": NONE_OR_JSON,
     "tool_choice": NONE_OR_JSON, "response_format": NONE_OR_JSON, "parallel_tool_calls": NONE_OR_JSON,
+    "prompt_logprobs": st.sampled_from([None, 0, 1, 20, 21, -1]), "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(), "chat_template_kwargs": st.dictionaries(TEXT, JSON, max_size=2),
+    "min_tokens": st.just(0) | INTS, "repetition_penalty": st.just(1.0) | FLOATS,
+    "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
 }
 # Always present and never null, so a valid request generates one or two tokens, not a context's worth.
 MAX_TOKENS = st.one_of(st.integers(1, 2), st.integers(1, 2),
@@ -268,7 +281,8 @@ def request_bodies(draw, chat: bool) -> dict:
 
     body = {"messages": value("messages")} if chat else {"prompt": value("prompt")}
     body["max_completion_tokens" if chat and draw(st.booleans()) else "max_tokens"] = draw(MAX_TOKENS)
-    fields = (CHAT_FIELDS if chat else COMPLETION_FIELDS) - {"prompt", "messages", "max_tokens", "max_completion_tokens"}
+    known = set((ChatRequest if chat else CompletionRequest).model_fields) & set(PLAUSIBLE)
+    fields = known - {"prompt", "messages", "max_tokens", "max_completion_tokens"}
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True)):
         body[name] = value(name)
     if draw(st.integers(0, 9)) == 9:  # (hypothesis draws the simplest value, 0, most often)
@@ -314,7 +328,7 @@ def test_fuzzed_bodies_get_2xx_or_an_openai_4xx(server, greedy_text, path):
         one()
     assert statuses.count(200) >= 15, sorted(statuses)  # the fuzz reached the engine, not only the validation
     after = server.wait_idle()
-    assert after['nanovllm_kv_blocks_used{pool="gpu"}'] == 0 and after["nanovllm_requests_pending"] == 0
+    assert after['nanovllm:kv_blocks_used{pool="gpu"}'] == 0 and after["nanovllm:num_requests_pending"] == 0
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert post(server, "/v1/completions", GREEDY).json()["choices"][0]["text"] == greedy_text
     assert "Traceback" not in server.log_path.read_text()

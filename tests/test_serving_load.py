@@ -65,12 +65,12 @@ def test_100_concurrent_streams_with_disconnects(server, expected):
         assert r["text"] == expected[prompt], (prompt, r["text"], expected[prompt])
 
     after = server.wait_idle()
-    assert after['nanovllm_kv_blocks_used{pool="gpu"}'] == 0  # no leaked blocks
-    assert after["nanovllm_requests_running"] == 0 and after["nanovllm_requests_waiting"] == 0
-    finished = sum(after[f'nanovllm_requests_finished_total{{finish_reason="{r}"}}']
-                   - before[f'nanovllm_requests_finished_total{{finish_reason="{r}"}}'] for r in ("stop", "length"))
-    aborted = after['nanovllm_requests_finished_total{finish_reason="abort"}'] \
-        - before['nanovllm_requests_finished_total{finish_reason="abort"}']
+    assert after['nanovllm:kv_blocks_used{pool="gpu"}'] == 0  # no leaked blocks
+    assert after["nanovllm:num_requests_running"] == 0 and after["nanovllm:num_requests_waiting"] == 0
+    finished = sum(after[f'nanovllm:request_success_total{{finished_reason="{r}"}}']
+                   - before[f'nanovllm:request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length"))
+    aborted = after['nanovllm:request_success_total{finished_reason="abort"}'] \
+        - before['nanovllm:request_success_total{finished_reason="abort"}']
     assert finished + aborted == REQUESTS and finished >= len(kept)  # a hang-up after the last token is no abort
     assert httpx.get(f"{server.url}/health").status_code == 200
     again = httpx.post(f"{server.url}/v1/completions", timeout=60,

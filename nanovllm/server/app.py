@@ -1,15 +1,19 @@
 """The OpenAI-compatible HTTP front end (Starlette on uvicorn) over one AsyncEngine.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streaming), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). With an API key, every route but /health and /metrics needs
-it; CORS only for --allowed-origins. SIGTERM/SIGINT: new requests get 503 while the requests in flight
-finish, then the engine thread stops and the process exits; a second signal exits at once. If the engine
-breaks, /health says so and the process exits with status 1, for a supervisor to restart it.
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streaming), GET /v1/models and
+/v1/models/{id}, POST /tokenize and /detokenize, GET /version, /health and /metrics (Prometheus text). A
+completion request with several prompts, or n > 1, runs one engine request per prompt and choice. With an
+API key, every route but /health, /metrics and /version needs it; CORS only for --allowed-origins.
+SIGTERM/SIGINT: new requests get 503 while the requests in flight finish, then the engine thread stops and
+the process exits; a second signal exits at once. If the engine breaks, /health says so and the process
+exits with status 1, for a supervisor to restart it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -18,22 +22,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
+from nanovllm.server import responses as r
 from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
 from nanovllm.server.http import APIKeyMiddleware, read_json_body, with_header_timeout
-from nanovllm.server.metrics import ServerMetrics
-from nanovllm.server.preprocess import Preprocessor, refusal
+from nanovllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from nanovllm.server.preprocess import PreparedRequest, Preprocessor, refusal
 
 log = logging.getLogger("nanovllm.server")
 
@@ -49,6 +55,7 @@ class ServerOptions:
     max_request_body_bytes: int = 32 * 1024 * 1024
     timeout_keep_alive: float = 5.0  # an idle keep-alive connection is closed after this
     timeout_request_read: float = 30.0  # request line + headers, then the body, must each arrive within this
+    chat_template: str | None = None  # a Jinja template replacing the model's own (--chat-template)
 
 
 def error_response(e: p.APIError) -> JSONResponse:
@@ -63,7 +70,8 @@ class OpenAIServer:
         self.model_name = options.served_model_name or Path(llm.config.model).name
         self.metrics = ServerMetrics(self.model_name)
         self.engine = AsyncEngine(llm, self.metrics, options.max_pending_requests)
-        self.preprocessor = Preprocessor(llm, (self.model_name,))
+        self.preprocessor = Preprocessor(llm, (self.model_name,), options.chat_template)
+        self.token_texts = r.TokenTexts(llm.tokenizer)
         middleware = []
         if options.allowed_origins:
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
@@ -75,6 +83,10 @@ class OpenAIServer:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model_card, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/version", self.version, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
             ],
@@ -99,12 +111,23 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": p.now(), "owned_by": "nanovllm",
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            return error_response(p.model_not_found(model_id, (self.model_name,)))
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": r.now(), "owned_by": "nanovllm",
                 "root": self.model_name, "max_model_len": self.llm.config.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": nanovllm_version()})
 
     async def prometheus(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         return error_response(p.APIError(exc.status_code, str(exc.detail), None, None, "invalid_request_error"))
@@ -113,7 +136,21 @@ class OpenAIServer:
         log.exception("internal error")
         return error_response(p.APIError(500, f"internal error: {exc!r}", None, None, "internal_error"))
 
-    # ---- generation ----------------------------------------------------------------------
+    # ---- tokenizer routes ----------------------------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer_route(request, self.preprocessor.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer_route(request, self.preprocessor.detokenize)
+
+    async def _tokenizer_route(self, request: Request, fn) -> Response:
+        try:
+            raw = await read_json_body(request, self.options.max_request_body_bytes, self.options.timeout_request_read)
+            return JSONResponse(await self.preprocessor.run(fn, raw))
+        except p.APIError as e:
+            return error_response(e)
+
+    # ---- generation ----------------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
@@ -121,36 +158,56 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        rid = p.new_id(chat)
+        rid = r.new_id(chat)
         try:
             self._check_available()  # before reading and tokenizing a request that would be refused
             raw = await read_json_body(request, self.options.max_request_body_bytes, self.options.timeout_request_read)
             prepared = await self.preprocessor.prepare(raw, chat)
             del raw  # a large body is not kept while the request runs
-            stream = await self._admit(prepared.token_ids, prepared.parsed.params, rid, prepared.prompt_field)
+            streams = await self._admit_all(prepared, rid)
         except p.APIError as e:
             self.metrics.record_rejected("overloaded" if e.status in (429, 503) else "invalid")
             return error_response(e)
-        parsed = prepared.parsed
-        if parsed.stream:
-            return StreamingResponse(self._sse(stream, parsed, rid, chat), media_type="text/event-stream",
+        choices = r.Choices(prepared, chat, self.token_texts)
+        if prepared.parsed.stream:
+            return StreamingResponse(self._sse(streams, choices, rid), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        async with stream:
+        async with _all(streams):
             try:
-                out = await _until_finished_or_disconnect(stream, request)
+                outs = await _until_finished_or_disconnect(streams, request)
             except (RequestFailed, EngineUnavailable) as e:
                 return error_response(_stream_error(e))
-        if out is None:  # the client went away; the request was aborted
+        if outs is None:  # the client went away; the request was aborted
             return Response(status_code=499)
-        usage = p.usage(len(out.prompt_token_ids), len(out.token_ids))
-        make = p.chat_body if chat else p.completion_body
-        return JSONResponse(make(rid, parsed.model, out.text, out.finish_reason, usage, p.now()))
+        return JSONResponse(r.body(rid, prepared.parsed.model, chat, choices.final(outs), choices.usage(outs), r.now()))
 
     def _check_available(self) -> None:
         try:
             self.engine.check_available()
         except EngineUnavailable as e:
             raise p.APIError(503, str(e), None, e.reason, "server_error") from None
+
+    async def _admit_all(self, prepared: PreparedRequest, rid: str) -> list[RequestStream]:
+        """One engine request per prompt and per choice (n), all admitted or none."""
+        n = prepared.parsed.n
+        wanted = len(prepared.prompts) * n
+        if wanted > self.engine.max_pending_requests:
+            raise p.APIError(400, f"the request asks for {wanted} completions (prompts x n) but this server runs at "
+                                  f"most max_pending_requests={self.engine.max_pending_requests} at once",
+                             "n" if n > 1 else prepared.prompt_field)
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prepared.prompts):
+                for j in range(n):
+                    params = prompt.params if j == 0 or prompt.params.seed is None else \
+                        dataclasses.replace(prompt.params, seed=(prompt.params.seed + j) % 2**63)
+                    streams.append(await self._admit(prompt.token_ids, params, f"{rid}-{i * n + j}",
+                                                     prepared.prompt_field))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
 
     async def _admit(self, token_ids: list[int], params, rid: str, prompt_field: str) -> RequestStream:
         try:
@@ -162,27 +219,52 @@ class OpenAIServer:
         except RequestFailed as e:
             raise _stream_error(e) from None
 
-    async def _sse(self, stream: RequestStream, parsed: p.ParsedRequest, rid: str, chat: bool) -> AsyncIterator[str]:
-        created, model = p.now(), parsed.model
-        # Hold back the tail that could be the start of a stop string, so text cut by a stop never reaches the client.
-        hold = max((len(s) for s in parsed.params.stop), default=1) - 1
-        sent, out = "", None
-        async with stream:
+    async def _sse(self, streams: list[RequestStream], choices: r.Choices, rid: str) -> AsyncIterator[str]:
+        created, model, chat = r.now(), choices.parsed.model, choices.chat
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async with _all(streams):
             if chat:
-                yield _event(p.chunk(rid, model, created, True, None, None, role=True))
+                for index in range(len(streams)):
+                    yield _event(r.chunk(rid, model, created, True, index, None, None, role=True))
             try:
-                async for out in stream:
-                    text = out.text if out.finished else out.text[: max(0, len(out.text) - hold)]
-                    delta = text[len(sent):] if text.startswith(sent) else ""
-                    sent = text if text.startswith(sent) else sent
-                    yield _event(p.chunk(rid, model, created, chat, delta, out.finish_reason if out.finished else None))
+                async for index, out in _merged(streams):
+                    finals[index] = out
+                    delta, finish, logprobs = choices.delta(index, out)
+                    if delta or finish or logprobs:
+                        yield _event(r.chunk(rid, model, created, chat, index, delta, finish, logprobs))
             except (RequestFailed, EngineUnavailable) as e:  # as vLLM: an error event, then the end of the stream
                 yield _event(_stream_error(e).body())
                 yield "data: [DONE]\n\n"
                 return
-        if parsed.include_usage and out is not None:
-            yield _event(p.usage_chunk(rid, model, created, chat, p.usage(len(out.prompt_token_ids), len(out.token_ids))))
+        if choices.parsed.include_usage and all(out is not None for out in finals):
+            yield _event(r.usage_chunk(rid, model, created, chat, choices.usage(finals)))
         yield "data: [DONE]\n\n"
+
+
+@contextlib.asynccontextmanager
+async def _all(streams: list[RequestStream]):
+    """Every stream closed on leaving (aborting the unfinished ones)."""
+    try:
+        yield streams
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) in arrival order until every stream finished; raises a stream's failure."""
+    pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                yield i, task.result()
+                if not streams[i].finished:
+                    pending[asyncio.ensure_future(streams[i].next())] = i
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 def _stream_error(e: Exception) -> p.APIError:
@@ -195,14 +277,14 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _until_finished_or_disconnect(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The final output, or None if the client disconnected first; raises if the request failed."""
+async def _until_finished_or_disconnect(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+    """The final outputs, or None if the client disconnected first; raises if a request failed."""
 
-    async def final() -> RequestOutput:
-        out = None
-        async for out in stream:
-            pass
-        return out
+    async def final() -> list[RequestOutput]:
+        outs: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in _merged(streams):
+            outs[i] = out
+        return outs
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -237,6 +319,29 @@ def serve(llm: LLM, host: str, port: int, options: ServerOptions = ServerOptions
     if server.engine.error is not None:
         print(f"error: the engine failed: {server.engine.error!r}", file=sys.stderr)
         sys.exit(1)
+
+
+def nanovllm_version() -> str:
+    try:
+        return importlib.metadata.version("nanovllm")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the template itself; a file name that does not exist is an error."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        value = path.read_text()
+    elif "{{" not in value and "{%" not in value:
+        raise FileNotFoundError(f"--chat-template: no such file {value!r} (and not a Jinja template)")
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from None
+    return value
 
 
 def api_key_from(option: str | None) -> str | None:

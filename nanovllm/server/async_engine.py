@@ -57,6 +57,8 @@ class _Track:
     arrival: float
     last_token_time: float | None = None
     num_tokens: int = 0
+    scheduled: bool = False  # its first step ran (the queue time is recorded)
+    host_kv_bytes: int = 0  # host KV bytes read so far, as recorded in the metrics
 
     def put(self, item) -> None:
         try:
@@ -199,6 +201,7 @@ class AsyncEngine:
             self._die(e)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except StepFailed as e:
@@ -211,7 +214,18 @@ class AsyncEngine:
                 raise RuntimeError(f"{self._failed_steps_in_a_row} steps in a row failed; last: {e}") from e
             return
         self._failed_steps_in_a_row = 0
+        self._record_scheduled(started)
         self._deliver(outputs, time.perf_counter())
+
+    def _record_scheduled(self, step_started: float) -> None:
+        """The queue time of each request whose first step was the one that started at step_started."""
+        for request_id, track in self._tracks.items():
+            if track.scheduled:
+                continue
+            req = self.engine.requests.get(request_id)
+            if req is None or req.seq.num_computed_tokens > 0:  # gone: finished in that step
+                track.scheduled = True
+                self.metrics.record_scheduled(max(0.0, step_started - track.arrival))
 
     def _die(self, error: BaseException) -> None:
         log.critical("the engine failed and stops; the server will exit: %r", error, exc_info=error)
@@ -278,12 +292,16 @@ class AsyncEngine:
                 continue
             new_tokens = len(out.outputs[0].token_ids) - track.num_tokens
             if track.num_tokens == 0 and new_tokens > 0:
-                self.metrics.record_first_token(len(out.prompt_token_ids), now - track.arrival)
+                cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+                self.metrics.record_first_token(len(out.prompt_token_ids), cached, now - track.arrival)
                 self.metrics.record_tokens(new_tokens, None)
             elif new_tokens > 0:
                 self.metrics.record_tokens(new_tokens, now - track.last_token_time)
             track.num_tokens += new_tokens
             track.last_token_time = now
+            if out.metrics is not None:
+                self.metrics.record_host_bytes(out.metrics.host_kv_bytes_read - track.host_kv_bytes)
+                track.host_kv_bytes = max(track.host_kv_bytes, out.metrics.host_kv_bytes_read)
             self._outputs.post(("output", out.request_id, out))
             if out.finished:
                 del self._tracks[out.request_id]
@@ -336,7 +354,7 @@ class OutputThread:
         kind, request_id = event[0], event[1]
         if kind == "start":
             _, _, track, token_ids, params = event
-            text = OutputText(self.tokenizer, token_ids, params.stop) if self.tokenizer is not None else None
+            text = OutputText.for_params(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
             self._texts[request_id] = _Text(track, text)
         elif kind == "output":
             self._output(request_id, event[2])
@@ -384,6 +402,8 @@ class OutputThread:
 
 def _with_text(out: RequestOutput, token_ids: list[int], text: str, finish_reason: str | None) -> RequestOutput:
     done = finish_reason is not None
-    completion = CompletionOutput(0, text, token_ids, finish_reason, out.outputs[0].logprobs)
+    logprobs = out.outputs[0].logprobs
+    completion = CompletionOutput(0, text, token_ids, finish_reason,
+                                  None if logprobs is None else logprobs[: len(token_ids)])
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [completion], done, out.metrics,
                          out.prompt_logprobs)

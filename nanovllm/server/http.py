@@ -1,6 +1,6 @@
 """What the server asks of a client before a request reaches the engine.
 
-- `APIKeyMiddleware`: `Authorization: Bearer <key>` on every route but /health and /metrics, compared in
+- `APIKeyMiddleware`: `Authorization: Bearer <key>` on every route but /health, /metrics and /version, compared in
   constant time; 401 with OpenAI's error body otherwise.
 - `read_json_body`: a JSON content type (else 415: a browser page may send text/plain cross-origin
   without asking, but not application/json), at most `limit` bytes (else 413), all of it within
@@ -21,7 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanovllm.server.protocol import APIError
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 class APIKeyMiddleware:

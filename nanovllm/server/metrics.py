@@ -1,125 +1,133 @@
-"""Server metrics in the Prometheus text format (exposition format 0.0.4), written without a client library.
+"""Server metrics through prometheus_client: vLLM's metric names with the `nanovllm:` prefix and a `model_name`
+label, plus our own (requests pending and refused, KV blocks per pool, host KV bytes read, failed requests).
 
-Updated from the engine thread and read by the /metrics handler, so every access holds one lock.
+Each server has its own CollectorRegistry, so several servers can live in one process (tests). Updated from the
+engine and output threads, read by the /metrics handler (prometheus_client's metrics are thread-safe).
 """
 from __future__ import annotations
 
-import bisect
-import threading
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from nanovllm.engine.llm_engine import EngineStats
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the request failed in the engine
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last slot is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def lines(self, name: str) -> list[str]:
-        out, cumulative = [], 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            out.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
-        out += [f"{name}_sum {self.sum}", f"{name}_count {cumulative}"]
-        return out
+PREFIX = "nanovllm:"
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort")  # as vLLM's request_success; failed requests count in request_errors
+REJECT_REASONS = ("invalid", "overloaded")
+POOLS = ("gpu", "host")
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
     def __init__(self, model_name: str):
+        prometheus_client.disable_created_metrics()  # no *_created samples, as vLLM
         self.model_name = model_name
-        self._lock = threading.Lock()
-        self.stats: EngineStats | None = None
-        self.pending = 0  # requests accepted by the server and not finished (running + waiting + being admitted)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished = dict.fromkeys(FINISH_REASONS, 0)
-        self.rejected = {"invalid": 0, "overloaded": 0}
-        self.ttft = Histogram(LATENCY_BUCKETS)
-        self.itl = Histogram(LATENCY_BUCKETS)
-        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.registry = CollectorRegistry()
+        self._last_preemptions = 0
+        self.running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.pending = self._gauge("num_requests_pending", "Requests accepted by the server and not finished.")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = self._counter("prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = self._counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = self._counter("num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter("generation_tokens", "Number of generation tokens processed.")
+        self.success = self._labelled(Counter, "request_success", "Count of successfully processed requests.",
+                                      "finished_reason", FINISHED_REASONS)
+        self.errors = self._counter("request_errors", "Requests that failed in the engine.")
+        self.rejected = self._labelled(Counter, "requests_rejected", "Requests refused before admission, by reason.",
+                                       "reason", REJECT_REASONS)
+        self.blocks_used = self._labelled(Gauge, "kv_blocks_used", "KV-cache blocks in use per pool.", "pool", POOLS)
+        self.blocks_total = self._labelled(Gauge, "kv_blocks_total", "KV-cache blocks per pool.", "pool", POOLS)
+        self.host_bytes = self._counter("host_kv_bytes_read", "KV bytes copied from the host pool to the device.")
+        self.ttft = self._histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                    TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                   ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                   REQUEST_LATENCY_BUCKETS)
+        self.queue = self._histogram("request_queue_time_seconds",
+                                     "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
 
+    def _gauge(self, name: str, doc: str):
+        return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _counter(self, name: str, doc: str):
+        return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
+        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+    def _labelled(self, kind, name: str, doc: str, label: str, values: tuple[str, ...]) -> dict:
+        metric = kind(PREFIX + name, doc, ["model_name", label], registry=self.registry)
+        return {value: metric.labels(self.model_name, value) for value in values}
+
+    # ---- updates ---------------------------------------------------------------------------------------------------
     def set_stats(self, stats: EngineStats) -> None:
-        with self._lock:
-            self.stats = stats
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.gpu_blocks_used / stats.gpu_blocks_total if stats.gpu_blocks_total else 0.0)
+        for pool, used, total in (("gpu", stats.gpu_blocks_used, stats.gpu_blocks_total),
+                                  ("host", stats.host_blocks_used, stats.host_blocks_total)):
+            self.blocks_used[pool].set(used)
+            self.blocks_total[pool].set(total)
+        if stats.num_preemptions > self._last_preemptions:
+            self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_preemptions = stats.num_preemptions
 
     def set_pending(self, pending: int) -> None:
-        with self._lock:
-            self.pending = pending
+        self.pending.set(pending)
 
-    def record_first_token(self, prompt_tokens: int, ttft: float) -> None:
-        with self._lock:
-            self.prompt_tokens += prompt_tokens
-            self.ttft.observe(ttft)
+    def record_scheduled(self, queue_time: float) -> None:
+        self.queue.observe(queue_time)
+
+    def record_first_token(self, prompt_tokens: int, cached_tokens: int, ttft: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
+        self.ttft.observe(ttft)
 
     def record_tokens(self, new_tokens: int, seconds_since_last: float | None) -> None:
-        with self._lock:
-            self.generation_tokens += new_tokens
-            if seconds_since_last is not None:
-                for _ in range(new_tokens):  # one step normally brings one token per sequence
-                    self.itl.observe(seconds_since_last / new_tokens)
+        self.generation_tokens.inc(new_tokens)
+        if seconds_since_last is not None:
+            for _ in range(new_tokens):  # one step normally brings one token per sequence
+                self.itl.observe(seconds_since_last / new_tokens)
+
+    def record_host_bytes(self, num_bytes: int) -> None:
+        if num_bytes > 0:
+            self.host_bytes.inc(num_bytes)
 
     def record_finished(self, reason: str, e2e: float) -> None:
-        with self._lock:
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.e2e.observe(e2e)
+        if reason in self.success:
+            self.success[reason].inc()
+        else:
+            self.errors.inc()
+        self.e2e.observe(e2e)
 
     def record_rejected(self, reason: str) -> None:
-        with self._lock:
-            self.rejected[reason] += 1
+        self.rejected[reason].inc()
 
-    def render(self) -> str:
-        with self._lock:
-            return "\n".join(self._lines()) + "\n"
-
-    def _lines(self) -> list[str]:
-        s = self.stats
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-            out.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-        metric("nanovllm_requests_running", "gauge", "Requests in the running batch.", [("", s.num_running if s else 0)])
-        metric("nanovllm_requests_waiting", "gauge", "Requests queued in the scheduler.", [("", s.num_waiting if s else 0)])
-        metric("nanovllm_requests_pending", "gauge", "Requests accepted by the server and not finished.",
-               [("", self.pending)])
-        metric("nanovllm_kv_blocks_used", "gauge", "KV-cache blocks in use per pool.",
-               [('{pool="gpu"}', s.gpu_blocks_used if s else 0), ('{pool="host"}', s.host_blocks_used if s else 0)])
-        metric("nanovllm_kv_blocks_total", "gauge", "KV-cache blocks per pool.",
-               [('{pool="gpu"}', s.gpu_blocks_total if s else 0), ('{pool="host"}', s.host_blocks_total if s else 0)])
-        metric("nanovllm_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
-               [("", s.num_preemptions if s else 0)])
-        metric("nanovllm_prompt_tokens_total", "counter", "Prompt tokens of requests that started generating.",
-               [("", self.prompt_tokens)])
-        metric("nanovllm_generation_tokens_total", "counter", "Generated tokens.", [("", self.generation_tokens)])
-        metric("nanovllm_requests_finished_total", "counter", "Finished requests by finish reason.",
-               [(f'{{finish_reason="{r}"}}', n) for r, n in self.finished.items()])
-        metric("nanovllm_requests_rejected_total", "counter", "Requests refused before admission, by reason.",
-               [(f'{{reason="{r}"}}', n) for r, n in self.rejected.items()])
-        for name, hist, help_ in (
-            ("nanovllm_time_to_first_token_seconds", self.ttft, "Time from arrival to the first generated token."),
-            ("nanovllm_inter_token_latency_seconds", self.itl, "Time between consecutive generated tokens."),
-            ("nanovllm_e2e_request_latency_seconds", self.e2e, "Time from arrival to the end of the request."),
-        ):
-            out.extend([f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name)])
-        return out
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sample name with labels -> value, for tests and the benchmark client."""
+    """Sample name with its labels but model_name -> value (Prometheus' own parser), for tests and clients:
+    'nanovllm:prompt_tokens_total', 'nanovllm:request_success_total{finished_reason="stop"}'."""
     values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return values

@@ -12,10 +12,13 @@ import asyncio
 import ctypes
 import ctypes.util
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.server import protocol as p
 
 PREPROCESS_THREADS = 4
@@ -24,29 +27,41 @@ TRIM_AFTER_BYTES = 1 << 20  # bodies at least this large are followed by malloc_
 
 
 @dataclass
+class PreparedPrompt:
+    token_ids: list[int]
+    params: SamplingParams  # max_tokens filled in for this prompt's length
+    text: str  # the prompt as text, for echo ("" unless echo was asked)
+
+
+@dataclass
 class PreparedRequest:
     parsed: p.ParsedRequest
-    token_ids: list[int]
+    prompts: list[PreparedPrompt]
     prompt_field: str  # the body field an error about the prompt names: "prompt" or "messages"
 
 
 class Preprocessor:
-    def __init__(self, llm: LLM, served_names: tuple[str, ...]):
+    def __init__(self, llm: LLM, served_names: tuple[str, ...], chat_template: str | None = None):
         self.llm = llm
         self.served_names = served_names
+        self.chat_template = chat_template
         self.pool = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="nanovllm-preprocess")
         self._malloc_trim = _malloc_trim()
 
     async def prepare(self, raw: bytes, chat: bool) -> PreparedRequest:
         """Raises APIError for anything the request cannot be served with."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._prepare_and_trim, raw, chat)
+        return await self.run(self._prepare, raw, chat)
+
+    async def run(self, fn: Callable[[bytes, Any], Any], raw: bytes, *args) -> Any:
+        """fn(raw, *args) on the pool, then malloc_trim after a large body."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._run_and_trim, fn, raw, *args)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _prepare_and_trim(self, raw: bytes, chat: bool) -> PreparedRequest:
+    def _run_and_trim(self, fn, raw: bytes, *args):
         try:
-            return self._prepare(raw, chat)
+            return fn(raw, *args)
         finally:
             if len(raw) >= TRIM_AFTER_BYTES and self._malloc_trim is not None:
                 self._malloc_trim(0)
@@ -54,38 +69,83 @@ class Preprocessor:
     def _prepare(self, raw: bytes, chat: bool) -> PreparedRequest:
         body = p.parse_json(raw)
         if chat:
-            parsed, field = p.parse_chat(body, self.served_names), "messages"
-            token_ids = self._chat_prompt(parsed.messages)
+            parsed = p.parse_chat(body, self.served_names)
+            prompts = [(self.chat_prompt(parsed.messages, parsed.template), "")]
         else:
-            parsed, field = p.parse_completion(body, self.served_names), "prompt"
-            token_ids = self._tokenize(parsed.prompt)
-        parsed.params = dataclasses.replace(parsed.params, max_tokens=self._max_tokens(len(token_ids), parsed, chat))
-        self._check(token_ids, parsed, field)
-        return PreparedRequest(parsed, token_ids, field)
+            parsed = p.parse_completion(body, self.served_names)
+            prompts = [(self._tokenize(q), self._echo_text(q) if parsed.echo else "") for q in parsed.prompts]
+        field = "messages" if chat else "prompt"
+        return PreparedRequest(parsed, [self._prompt(ids, text, parsed, chat, field) for ids, text in prompts], field)
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _prompt(self, token_ids: list[int], text: str, parsed: p.ParsedRequest, chat: bool,
+                field: str) -> PreparedPrompt:
+        params = dataclasses.replace(parsed.params, max_tokens=self._max_tokens(len(token_ids), parsed, chat))
+        self._check(token_ids, params, parsed.max_tokens_given, field)
+        return PreparedPrompt(token_ids, params, text)
+
+    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str) and self.llm.tokenizer is not None:
+            return self.llm.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         try:
             return self.llm.tokenize(prompt)
-        except (TypeError, ValueError) as e:  # no tokenizer for a text prompt, or the tokenizer refused it
+        except (TypeError, ValueError) as e:  # no tokenizer for a text prompt
             raise p.APIError(400, str(e), "prompt") from None
 
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.llm.tokenizer is None or not getattr(self.llm.tokenizer, "chat_template", None):
-            raise p.APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.llm.tokenizer.decode(prompt) if self.llm.tokenizer is not None else ""
+
+    def chat_prompt(self, messages: list[dict], options: p.ChatTemplateOptions) -> list[int]:
+        """The conversation through the chat template (--chat-template, else the model's), as token ids."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None or not (self.chat_template or getattr(tokenizer, "chat_template", None)):
+            raise p.APIError(400, "this model has no chat template; use /v1/completions or start the server with "
+                                  "--chat-template", "messages")
         try:
-            return self.llm.chat_prompt(messages)  # the same template call as LLM.chat
+            ids = tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=True,
+                                                add_generation_prompt=options.add_generation_prompt,
+                                                continue_final_message=options.continue_final_message,
+                                                **(options.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - the template itself rejects some conversations
             raise p.APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def _check(self, token_ids: list[int], parsed: p.ParsedRequest, field: str) -> None:
+    def tokenize(self, raw: bytes) -> dict:
+        """/tokenize: a prompt or a conversation -> {count, max_model_len, tokens}."""
+        req = p.validate(p.TokenizeRequest, p.parse_json(raw), "/tokenize")
+        p.check_served(req.model, self.served_names)
+        if (req.prompt is None) == (req.messages is None):
+            raise p.APIError(400, "send exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            p.check_template_options(req)
+            tokens = self.chat_prompt(p.messages(req.messages), req)
+        else:
+            text = p.checked_text("prompt", req.prompt)
+            tokens = self._tokenize(text, req.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.llm.config.max_model_len, "tokens": tokens}
+
+    def detokenize(self, raw: bytes) -> dict:
+        """/detokenize: {tokens} -> {prompt}."""
+        req = p.validate(p.DetokenizeRequest, p.parse_json(raw), "/detokenize")
+        p.check_served(req.model, self.served_names)
+        if self.llm.tokenizer is None:
+            raise p.APIError(400, "this model has no tokenizer", "tokens")
+        vocab = self.llm.config.hf_config["vocab_size"]
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise p.APIError(400, f"tokens[{bad}] must be a token id in [0, {vocab}), got {req.tokens[bad]}", "tokens")
+        return {"prompt": self.llm.tokenizer.decode(req.tokens)}
+
+    def _check(self, token_ids: list[int], params: SamplingParams, max_tokens_given: bool, field: str) -> None:
         """The engine's own admission checks, then (as vLLM's server) no max_tokens past the context."""
         try:
-            self.llm.check_request(token_ids, parsed.params)
+            self.llm.check_request(token_ids, params)
         except (TypeError, ValueError) as e:
             raise refusal(e, field) from None
         limit, n = self.llm.config.max_model_len, len(token_ids)
-        if parsed.max_tokens_given and n + parsed.params.max_tokens > limit:
-            raise p.APIError(400, f"max_tokens={parsed.params.max_tokens} is too large: the prompt has {n} tokens and "
+        if max_tokens_given and n + params.max_tokens > limit:
+            raise p.APIError(400, f"max_tokens={params.max_tokens} is too large: the prompt has {n} tokens and "
                              f"this model's context is max_model_len={limit} tokens, so at most {limit - n} can be "
                              "generated", "max_tokens", "context_length_exceeded")
 
