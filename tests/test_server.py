@@ -459,3 +459,20 @@ def test_tokenize_detokenize_version_and_model_card(server, llm):
     assert card["id"] == "smollm2" and card["max_model_len"] == 256
     missing = httpx.get(f"{server.url}/v1/models/gpt-4")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_penalties_bias_and_min_tokens_over_http_equal_llm_generate(client, llm):
+    """The engine's sampling fields reach SamplingParams from the OpenAI client (extra_body for vLLM's own):
+    the text equals LLM.generate with the same parameters, and differs from the plain greedy text."""
+    prompt, plain = PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    forced = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    cases = [
+        (dict(frequency_penalty=1.5, presence_penalty=1.0), dict(frequency_penalty=1.5, presence_penalty=1.0)),
+        (dict(logit_bias={str(forced): 100}), dict(logit_bias={forced: 100.0})),
+        (dict(extra_body={"repetition_penalty": 1.8, "min_tokens": 4}), dict(repetition_penalty=1.8, min_tokens=4)),
+    ]
+    plain_text = llm.generate([prompt], plain, use_tqdm=False)[0].text
+    for request, params in cases:
+        want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **params), use_tqdm=False)[0]
+        got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **request)
+        assert got.choices[0].text == want.text != plain_text
