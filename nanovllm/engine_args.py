@@ -30,13 +30,14 @@ _HELP = {
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "enforce_eager": "disable CUDA graphs",
     "async_scheduling": "schedule and launch the next step before this step's tokens reach the host",
-    "tensor_parallel_size": "GPUs per model (only 1 for now)",
+    "tensor_parallel_size": "ranks per model: one process per GPU (gloo processes on a CPU device)",
     "dtype": "auto, float32, float16 or bfloat16",
     "device": "auto, cuda or cpu",
     "seed": "seed of the engine's sampling generator",
     "attention_backend": "auto, torch (pure PyTorch reference) or triton (CUDA kernels)",
     "load_format": "auto, or dummy for random weights of the config's shape",
 }
+_ALIASES = {"tensor_parallel_size": ["-tp"]}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -44,12 +45,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         if f.name in ("model", "hf_config"):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
         if str(f.type).startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
         else:
             kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
-            group.add_argument(flag, type=kind, default=None, help=f"{_HELP.get(f.name, '')} (default: {f.default})")
+            group.add_argument(*flags, type=kind, default=None, help=f"{_HELP.get(f.name, '')} (default: {f.default})")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

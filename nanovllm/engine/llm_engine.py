@@ -76,6 +76,17 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending: tuple[PendingTokens, list[int]] | None = None  # async: launched tokens, their indices
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (with tensor_parallel_size > 1; also done at interpreter
+        exit and when the engine is garbage-collected). The engine cannot run steps afterwards."""
+        self.runner.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (a str, or token ids); TypeError for any other type. Thread-safe."""
