@@ -23,7 +23,7 @@ class EngineConfig:
     kvcache_block_size: int = 256
     num_gpu_blocks: int | None = None  # the device's KV pool; None: sized from gpu_memory_utilization (CPU device: cpu_kv_cache_gb)
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gb: float = 2.0  # KV in host RAM: the offload pool (pinned), or the whole pool on a CPU device
+    cpu_kv_cache_gb: float = 2.0  # KV in host RAM (all ranks together): the offload pool (pinned), or the whole pool on a CPU device
     enable_cpu_offload: bool = False  # blocks beyond the device pool live in host memory and are streamed back
     enable_prefix_caching: bool = True
     enforce_eager: bool = False

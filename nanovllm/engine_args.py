@@ -25,7 +25,7 @@ _HELP = {
     "kvcache_block_size": "tokens per KV block (a multiple of 16)",
     "num_gpu_blocks": "device KV pool in blocks (default: from gpu_memory_utilization, or cpu_kv_cache_gb on a CPU)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
-    "cpu_kv_cache_gb": "GiB of host memory for KV: the pinned offload pool, or the whole pool on a CPU device",
+    "cpu_kv_cache_gb": "GiB of host memory for KV (all tensor-parallel ranks together): the pinned offload pool, or the whole pool on a CPU device",
     "enable_cpu_offload": "keep KV blocks beyond the device pool in pinned host memory, streamed back per layer",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "enforce_eager": "disable CUDA graphs",

@@ -17,7 +17,7 @@ from nanovllm.distributed.parallel_state import SINGLE, TensorParallel, broadcas
 from nanovllm.engine import graph_copies
 from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, resolve_placeholders
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.engine.memory import kv_blocks_that_fit, resolve_backend, resolve_device, resolve_dtype
+from nanovllm.engine.memory import host_kv_bytes, kv_blocks_that_fit, resolve_backend, resolve_device, resolve_dtype
 from nanovllm.engine.offload import offload_kv_access
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
@@ -97,7 +97,7 @@ class Worker:
         return ring_blocks_for(self.bytes_per_block // self.kv_shape[0])
 
     def _make_host_pool(self) -> HostKVPool:
-        host_blocks = int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
+        host_blocks = int(host_kv_bytes(self.config) // self.bytes_per_block)
         if host_blocks < 1:
             raise ValueError(f"cpu_kv_cache_gb={self.config.cpu_kv_cache_gb} holds no KV block "
                              f"({self.bytes_per_block} bytes each)")
