@@ -115,6 +115,7 @@ def _free_port() -> int:
 
 
 def _threads_per_rank(device: torch.device, size: int) -> None:
+    """On a CPU device the ranks share the cores (this also sets the driver process's torch threads)."""
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
@@ -149,7 +150,8 @@ class TensorParallelGroup:
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.channel, True)
         self._await_started(STARTUP_TIMEOUT_S)
         _threads_per_rank(device, size)
-        init_group(self.tp, backend, init_method)
+        with self.guard():
+            init_group(self.tp, backend, init_method)
         if backend == "nccl":
             threading.Thread(target=self._monitor, daemon=True, name="nanovllm-tp-monitor").start()
 
@@ -176,7 +178,7 @@ class TensorParallelGroup:
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise TensorParallelError(f"the tensor-parallel group is stopped: {self.failure}")
-        for rank, (proc, pipe) in enumerate(zip(self.procs, self.pipes), start=1):
+        for proc, pipe in zip(self.procs, self.pipes):
             if pipe.poll() or not proc.is_alive():
                 raise TensorParallelError(self._fail(None))
 
