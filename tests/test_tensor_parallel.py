@@ -17,7 +17,10 @@ import torch
 from conftest import make_tiny_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import EngineConfig
+from nanovllm.config import load_hf_config
 from nanovllm.distributed.executor import TEST_FAIL_ENV
+from nanovllm.distributed.parallel_state import TensorParallel
+from nanovllm.models.loader import build_model
 
 BS = 16
 CASES = {
@@ -161,6 +164,44 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def expected_shard(full: dict[str, torch.Tensor], name: str, hf: dict, rank: int) -> torch.Tensor:
+    """Rank `rank` of 2's part of a one-rank parameter, from the config's numbers alone."""
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = hf.get("head_dim") or hf["hidden_size"] // heads
+    q, kv, inter = heads * d, kv_heads * d, hf["intermediate_size"]
+    local_kv = max(1, kv_heads // 2) * d
+    kv_start = rank * local_kv if kv_heads >= 2 else 0
+    rows = lambda t, lo, n: t[lo : lo + n]  # noqa: E731
+    t = full[name]
+    if "qkv_proj" in name:
+        return torch.cat([rows(t, rank * q // 2, q // 2), rows(t, q + kv_start, local_kv),
+                          rows(t, q + kv + kv_start, local_kv)])
+    if "gate_up_proj" in name:
+        return torch.cat([rows(t, rank * inter // 2, inter // 2), rows(t, inter + rank * inter // 2, inter // 2)])
+    if "o_proj" in name:
+        return t[:, rank * q // 2 : (rank + 1) * q // 2]
+    if "down_proj" in name:
+        return t[:, rank * inter // 2 : (rank + 1) * inter // 2]
+    if "embed_tokens" in name or "lm_head" in name:
+        per_rank = -(-hf["vocab_size"] // 2)
+        return t[rank * per_rank : (rank + 1) * per_rank]
+    return t
+
+
+@pytest.mark.parametrize("random_weights", [False, True], ids=["safetensors", "random"])
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_loads_its_slice(models, case, random_weights):
+    """Built without a process group (loading needs none): every parameter of ranks 0 and 1 is its slice
+    of the one-rank model's, read from the files (or drawn as the one-rank random weights)."""
+    hf = load_hf_config(str(models[case]))
+    model_dir = None if random_weights else models[case]
+    full = dict(build_model(hf, torch.float32, torch.device("cpu"), model_dir).named_parameters())
+    for rank in (0, 1):
+        part = build_model(hf, torch.float32, torch.device("cpu"), model_dir, tp=TensorParallel(rank, 2))
+        for name, param in part.named_parameters():
+            assert torch.equal(param, expected_shard(full, name, hf, rank)), (name, rank)
 
 
 def test_too_many_gpus_is_refused_before_anything_starts(tiny_llama, monkeypatch):
