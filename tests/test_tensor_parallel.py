@@ -204,6 +204,22 @@ def test_each_rank_loads_its_slice(models, case, random_weights):
             assert torch.equal(param, expected_shard(full, name, hf, rank)), (name, rank)
 
 
+def test_one_rank_makes_no_collective_call(tiny_llama, monkeypatch):
+    """tensor_parallel_size=1 is the plain path: no process group, no all-reduce, no parallel layer."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective with one rank")
+
+    for name in ("all_reduce", "gather", "broadcast", "init_process_group"):
+        monkeypatch.setattr(dist, name, refuse)
+    llm = LLM(str(tiny_llama), **COMMON, num_gpu_blocks=64)
+    assert llm.runner.tp_group is None
+    assert {type(m).__name__ for m in llm.runner.model.modules()} >= {"Linear", "Embedding"}
+    assert not any("Parallel" in type(m).__name__ for m in llm.runner.model.modules())
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)
+
+
 def test_too_many_gpus_is_refused_before_anything_starts(tiny_llama, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
