@@ -287,12 +287,20 @@ def _worker_main(tp: TensorParallel, config: EngineConfig, model_dir: Path | Non
     except SystemExit:
         pass
     except BaseException as e:
-        _report(pipe, f"{e!r}\n{traceback.format_exc()}")
+        traceback.print_exc()
+        _report(pipe, _one_line(e))
         raise SystemExit(1)
     finally:
         if receiver is not None:
             receiver.close()
         destroy_group()
+
+
+def _one_line(error: BaseException) -> str:
+    """The exception and where it was raised (the full traceback goes to the worker's stderr)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return f"{error!r}{where}"
 
 
 def _receive(pipe) -> tuple[str, str | None]:
