@@ -18,7 +18,7 @@ from conftest import make_tiny_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.config import load_hf_config
-from nanovllm.distributed.executor import TEST_FAIL_ENV
+from nanovllm.distributed.executor import TEST_FAIL_ENV, TensorParallelError
 from nanovllm.distributed.parallel_state import TensorParallel
 from nanovllm.models.loader import build_model
 
@@ -123,11 +123,13 @@ def test_worker_exception_is_a_clear_error_and_leaves_no_process(models, monkeyp
     llm = LLM(str(models["llama"]), tensor_parallel_size=2, **COMMON, num_gpu_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"worker rank 1 failed: RuntimeError\(.+injected test failure at step 2"):
+    with pytest.raises(TensorParallelError, match=r"^tensor-parallel worker rank 1 failed: RuntimeError\('injected "
+                                                  r"test failure at step 2 .+\) at executor.py:\d+ in _worker_main$"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert time.monotonic() - start < 30
     assert spawned_children() == []
-    with pytest.raises(RuntimeError, match="tensor-parallel group is stopped: tensor-parallel worker rank 1 failed"):
+    assert llm.block_manager.num_used_blocks == 0 and not llm.requests  # the failed batch was aborted
+    with pytest.raises(TensorParallelError, match="tensor-parallel group is stopped: tensor-parallel worker rank 1"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     llm.shutdown()
 

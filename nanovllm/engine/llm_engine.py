@@ -9,7 +9,8 @@ sequence that stops (EOS, stop string) has then already been scheduled once more
 dropped. Steps with a request that wants logprobs or prompt logprobs run synchronously.
 
 A step that raises fails only its batch: the requests holding KV or a token in flight are aborted and
-`StepFailed` names them; waiting requests go on with the next step.
+`StepFailed` names them; waiting requests go on with the next step. A failed tensor-parallel rank
+(`TensorParallelError`) is raised as it is after that abort: the group is stopped, no later step can run.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from nanovllm import validation
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.distributed.executor import TensorParallelError
 from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.scheduler import Scheduler
@@ -166,6 +168,9 @@ class LLMEngine:
         an output per running request per step. Raises StepFailed after aborting a failed step's batch."""
         try:
             return self._run_step(final_only)
+        except TensorParallelError:
+            self._abort_failed_batch()
+            raise
         except Exception as e:
             raise StepFailed(self._abort_failed_batch(), e) from e
 
