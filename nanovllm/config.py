@@ -25,7 +25,7 @@ class EngineConfig:
     kvcache_block_size: int = 256
     num_gpu_blocks: int | None = None  # the device's KV pool; None: sized from gpu_memory_utilization (CPU device: cpu_kv_cache_gb)
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gb: float = 2.0  # KV in host RAM: the offload pool (pinned), or the whole pool on a CPU device
+    cpu_kv_cache_gb: float = 2.0  # KV in host RAM (all ranks together): the offload pool (pinned), or the whole pool on a CPU device
     enable_cpu_offload: bool = False  # blocks beyond the device pool live in host memory and are streamed back
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -72,8 +72,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.cpu_kv_cache_gb > 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet (limit: 1)")
+        self._check_tensor_parallel()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
@@ -103,6 +102,21 @@ class EngineConfig:
                 )
         if self.max_model_len is None:
             raise ValueError("max_model_len is required: the model config has no max_position_embeddings")
+
+    def _check_tensor_parallel(self) -> None:
+        """Heads and MLP columns split evenly over the ranks; KV heads split, or replicated when fewer."""
+        n, c = self.tensor_parallel_size, self.hf_config
+        if n == 1 or not c:
+            return
+        heads = c.get("num_attention_heads", 1)
+        kv_heads = c.get("num_key_value_heads") or heads
+        if heads % n:
+            raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={heads}")
+        if kv_heads % n and n % kv_heads:
+            raise ValueError(f"tensor_parallel_size={n} and num_key_value_heads={kv_heads} must divide one another "
+                             "(KV heads are split across ranks, or replicated when there are fewer)")
+        if c.get("intermediate_size", 0) % n:
+            raise ValueError(f"tensor_parallel_size={n} must divide intermediate_size={c['intermediate_size']}")
 
     def _check_sparse_options(self) -> None:
         if self.sparse_policy not in SPARSE_POLICIES:

@@ -25,12 +25,12 @@ _HELP = {
     "kvcache_block_size": "tokens per KV block (a multiple of 16)",
     "num_gpu_blocks": "device KV pool in blocks (default: from gpu_memory_utilization, or cpu_kv_cache_gb on a CPU)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
-    "cpu_kv_cache_gb": "GiB of host memory for KV: the pinned offload pool, or the whole pool on a CPU device",
+    "cpu_kv_cache_gb": "GiB of host memory for KV (all tensor-parallel ranks together): the pinned offload pool, or the whole pool on a CPU device",
     "enable_cpu_offload": "keep KV blocks beyond the device pool in pinned host memory, streamed back per layer",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "enforce_eager": "disable CUDA graphs",
     "async_scheduling": "schedule and launch the next step before this step's tokens reach the host",
-    "tensor_parallel_size": "GPUs per model (only 1 for now)",
+    "tensor_parallel_size": "ranks per model: one process per GPU (gloo processes on a CPU device)",
     "dtype": "auto, float32, float16 or bfloat16",
     "device": "auto, cuda or cpu",
     "seed": "seed of the engine's sampling generator",
@@ -40,6 +40,7 @@ _HELP = {
     "download_dir": "hub cache directory for models given by Hub id (default: huggingface_hub's, ~/.cache/huggingface/hub)",
     "generation_config": "auto: sampling defaults from the model's generation_config.json; vllm: ignore it",
 }
+_ALIASES = {"tensor_parallel_size": ["-tp"]}
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -47,12 +48,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         if f.name in NOT_OPTIONS:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
         if str(f.type).startswith("bool"):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(f.name))
         else:
             kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" |")[0], str)
-            group.add_argument(flag, type=kind, default=None, help=f"{_HELP.get(f.name, '')} (default: {f.default})")
+            group.add_argument(*flags, type=kind, default=None, help=f"{_HELP.get(f.name, '')} (default: {f.default})")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -15,7 +15,8 @@ through the block manager's reference counts (`Scheduler._cached_prefix`); each 
 prompt's last partial block. Sample i draws with seed + i when the request is seeded.
 
 A step that raises fails only its batch: the requests holding KV or a token in flight are aborted and
-`StepFailed` names them; waiting requests go on with the next step.
+`StepFailed` names them; waiting requests go on with the next step. A failed tensor-parallel rank
+(`TensorParallelError`) is raised as it is after that abort: the group is stopped, no later step can run.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pathlib import Path
 from nanovllm import request_log, validation
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.distributed.executor import TensorParallelError
 from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.scheduler import Scheduler
@@ -122,6 +124,17 @@ class LLMEngine:
                     self.runner.device, bm.num_blocks, bm.num_blocks * gib, bm.num_host_blocks,
                     bm.num_host_blocks * gib, bm.block_size, max_len, bm.num_blocks / per_seq,
                     (bm.num_blocks + bm.num_host_blocks) / per_seq)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (with tensor_parallel_size > 1; also done at interpreter
+        exit and when the engine is garbage-collected). The engine cannot run steps afterwards."""
+        self.runner.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -224,6 +237,9 @@ class LLMEngine:
         an output per running request per step. Raises StepFailed after aborting a failed step's batch."""
         try:
             return self._run_step(final_only)
+        except TensorParallelError:
+            self._abort_failed_batch()
+            raise
         except Exception as e:
             raise StepFailed(self._abort_failed_batch(), e) from e
 

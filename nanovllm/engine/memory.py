@@ -43,11 +43,11 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
 
 def kv_blocks_that_fit(config: EngineConfig, device: torch.device, bytes_per_block: int, reserved: int,
                        peak_activations: Callable[[], int]) -> int:
-    """Device KV blocks: on a CPU device, cpu_kv_cache_gb; on CUDA, gpu_memory_utilization of the card
-    minus weights, other processes, `reserved` bytes (the offload ring) and the peak activations of a
-    warm-up step (peak_activations runs it and returns its peak bytes beyond the KV it used)."""
+    """Device KV blocks: on a CPU device, this rank's share of cpu_kv_cache_gb; on CUDA, gpu_memory_utilization
+    of the card minus weights, other processes, `reserved` bytes (the offload ring) and the peak activations
+    of a warm-up step (peak_activations runs it and returns its peak bytes beyond the KV it used)."""
     if device.type == "cpu":
-        budget = config.cpu_kv_cache_gb * 2**30
+        budget = host_kv_bytes(config)
     else:
         free, total = torch.cuda.mem_get_info(device)
         other_processes = (total - free) - torch.cuda.memory_reserved(device)
@@ -57,3 +57,8 @@ def kv_blocks_that_fit(config: EngineConfig, device: torch.device, bytes_per_blo
     if blocks < 1:
         raise ValueError(f"no memory left for the KV cache: one block needs {bytes_per_block} bytes, budget is {int(budget)}")
     return blocks
+
+
+def host_kv_bytes(config: EngineConfig) -> float:
+    """One rank's share of cpu_kv_cache_gb: the host memory for KV of all ranks together."""
+    return config.cpu_kv_cache_gb * 2**30 / config.tensor_parallel_size

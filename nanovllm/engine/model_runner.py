@@ -1,5 +1,8 @@
 """The engine's view of model execution: a host-side `StepPlanner` and a device `Worker`.
 
+With tensor_parallel_size N > 1 this process is rank 0 of a `TensorParallelGroup`: each plan goes to the
+N - 1 worker processes as well as to the local worker, and only the local worker's results come back.
+
 `run` / `launch` turn a scheduled step into a `StepPlan` (engine/step_plan.py, no device work) and
 have the worker execute it (engine/worker.py); results that belong to sequences (prompt logprobs,
 tokens still on their way from the device) are put back in place here.
@@ -12,6 +15,7 @@ from pathlib import Path
 import torch
 
 from nanovllm.config import EngineConfig
+from nanovllm.distributed.executor import TensorParallelGroup
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlanner
@@ -21,7 +25,12 @@ from nanovllm.layers.block_selector import BlockSelector
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path | None):
-        self.worker = Worker(config, model_dir)
+        self.tp_group = TensorParallelGroup(config, model_dir) if config.tensor_parallel_size > 1 else None
+        if self.tp_group is None:
+            self.worker = Worker(config, model_dir)
+        else:
+            with self.tp_group.guard():
+                self.worker = Worker(config, model_dir, self.tp_group.tp)
         self.planner = StepPlanner(self.worker.limits)
         self.planner.dense_decode = self.worker.selector.dense_for_decode
 
@@ -53,8 +62,16 @@ class ModelRunner:
     def set_block_selector(self, selector: BlockSelector) -> None:
         """Which KV blocks each layer attends to (layers/block_selector.py). Decode steps the selector
         narrows turn off what plans copies for all layers at once: decode graphs and staged offload."""
+        if self.tp_group is not None:
+            raise ValueError("set_block_selector needs tensor_parallel_size=1; with more ranks choose the "
+                             "sparse_policy option, which each rank builds over its own KV heads")
         self.worker.set_block_selector(selector)
         self.planner.dense_decode = selector.dense_for_decode
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the runner cannot run steps afterwards."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
 
     def release(self, seq: Sequence) -> None:
         """seq is finished: the worker may drop its per-request state with the next step."""
@@ -64,7 +81,8 @@ class ModelRunner:
             ) -> dict[int, tuple[int, dict[int, float] | None]]:
         """One forward pass; returns {seq_id: (sampled token, logprobs)} for sequences that sample.
         offloads: (device block, host block) pairs the block manager moved out since the last step."""
-        out = self.worker.execute(self.planner.plan(scheduled, offloads))
+        plan = self.planner.plan(scheduled, offloads)
+        out = self.worker.execute(plan) if self.tp_group is None else self.tp_group.run(self.worker, "execute", plan)
         for item in scheduled:
             if item.seq.seq_id in out.prompt_logprobs:
                 item.seq.prompt_logprobs.extend(out.prompt_logprobs[item.seq.seq_id])
@@ -75,7 +93,9 @@ class ModelRunner:
         """Like run() without logprobs, but nothing waits for the device: the sampled tokens stay there
         (also as the next step's inputs where a sequence's last token is a PLACEHOLDER) and are copied
         to the host in the background."""
-        tokens, stats = self.worker.launch(self.planner.plan(scheduled, offloads, launched=True))
+        plan = self.planner.plan(scheduled, offloads, launched=True)
+        tokens, stats = self.worker.launch(plan) if self.tp_group is None else \
+            self.tp_group.run(self.worker, "launch", plan)
         _record_work(scheduled, stats)
         return PendingTokens([item.seq for item in scheduled if item.samples] if tokens is not None else [], tokens)
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from nanovllm.config import EngineConfig
+from nanovllm.distributed.parallel_state import SINGLE, TensorParallel, broadcast_from_driver, min_over_ranks
 from nanovllm.engine import graph_copies
 from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, resolve_placeholders
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.engine.memory import kv_blocks_that_fit, resolve_backend, resolve_device, resolve_dtype
+from nanovllm.engine.memory import host_kv_bytes, kv_blocks_that_fit, resolve_backend, resolve_device, resolve_dtype
 from nanovllm.engine.offload import offload_kv_access
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
@@ -48,18 +49,27 @@ class StepOutput:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_dir: Path | None):
+    """tp: this worker's rank of the tensor-parallel group; it holds its own heads' weights and KV, and only
+    rank 0 samples (the others receive the tokens of launched steps as inputs of the next)."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path | None, tp: TensorParallel = SINGLE):
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.device)
+        if tp.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         self.backend = get_attention_backend(resolve_backend(config.attention_backend, self.device))
         layer_ops = get_layer_ops("triton" if self.backend.name == "triton" else "torch")
-        self.model = build_model(config.hf_config, self.dtype, self.device, model_dir, config.seed, layer_ops)
+        self.model = build_model(config.hf_config, self.dtype, self.device, model_dir, config.seed, layer_ops, tp)
         mc = self.model.config
         self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.bytes_per_block = PagedKVCache.bytes_per_block(*self.kv_shape, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self._blocks_that_fit()
+        if tp.size > 1:  # one block table serves every rank: the smallest pool
+            self.num_blocks = min_over_ranks(self.num_blocks)
         # One extra block past the pool: a scratch target for padded rows; the block manager never hands it out.
         self.kv_cache = PagedKVCache(mc.num_layers, self.num_blocks + 1, *self.kv_shape[1:], self.dtype, self.device)
         self.host_pool = self._make_host_pool() if config.enable_cpu_offload else None
@@ -87,7 +97,7 @@ class Worker:
         return ring_blocks_for(self.bytes_per_block // self.kv_shape[0])
 
     def _host_blocks(self) -> int:
-        return int(self.config.cpu_kv_cache_gb * 2**30 // self.bytes_per_block)
+        return int(host_kv_bytes(self.config) // self.bytes_per_block)
 
     def _mirrored_layers(self) -> int:
         """Quest's dense layers read every block each step: in offload mode their KV stays on the device."""
@@ -140,7 +150,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
         logits, prompt_logprobs, stats = self._logits(plan)
-        if logits is None:
+        if logits is None or not self.tp.is_driver:
             return StepOutput({}, prompt_logprobs, stats)
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
         out = sample(logits, plan.sample_params, generators, self.default_generator, plan.sample_history)
@@ -154,9 +164,13 @@ class Worker:
         logits, _, stats = self._logits(plan)
         if logits is None:
             return None, stats
-        generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
-        tokens = sample_on_device(logits, plan.sample_params, generators, self.default_generator,
-                                  plan.sample_history)
+        if self.tp.is_driver:
+            generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
+            tokens = sample_on_device(logits, plan.sample_params, generators, self.default_generator,
+                                      plan.sample_history)
+        if self.tp.size > 1:
+            tokens = broadcast_from_driver(tokens if self.tp.is_driver else
+                                           torch.empty(len(plan.sample_rows), dtype=torch.int64, device=self.device))
         self.last_tokens[: len(tokens)].copy_(tokens)
         return tokens, stats
 
@@ -242,7 +256,8 @@ class Worker:
             for lo in range(0, len(req.targets), rows_per_chunk):
                 hi = min(lo + rows_per_chunk, len(req.targets))
                 logits = self.model.compute_logits(hidden[req.row + lo : req.row + hi])
-                entries.extend(logprob_entries(logits, req.targets[lo:hi], req.top_n))
+                if self.tp.is_driver:  # other ranks hold a slice of the vocabulary
+                    entries.extend(logprob_entries(logits, req.targets[lo:hi], req.top_n))
             result[req.seq_id] = entries
         return result
 

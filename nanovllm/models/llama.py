@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.distributed.layers import embedding, lm_head, row_parallel_linear
+from nanovllm.distributed.parallel_state import SINGLE, TensorParallel
+from nanovllm.distributed.sharding import Placement, local_config, shard
 from nanovllm.layers.fused_ops import LayerOps
 from nanovllm.layers.kv_access import KVAccess
 from nanovllm.layers.norm import RMSNorm
@@ -65,14 +68,16 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int, ops: LayerOps):
+    """cfg: this rank's heads (all of them with one rank)."""
+
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, ops: LayerOps, tp: TensorParallel):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one GEMM; the checkpoint's q_proj/k_proj/v_proj load into its row ranges.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, False, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
@@ -93,10 +98,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ops: LayerOps):
+    def __init__(self, cfg: DecoderConfig, ops: LayerOps, tp: TensorParallel):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +109,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int, ops: LayerOps):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, ops: LayerOps, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, layer_idx, ops, tp)
+        self.mlp = MLP(cfg, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -124,11 +129,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ops: LayerOps):
+    def __init__(self, cfg: DecoderConfig, ops: LayerOps, tp: TensorParallel):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv: KVAccess) -> torch.Tensor:
@@ -142,11 +147,14 @@ class DecoderModel(nn.Module):
 
 @register_model("LlamaForCausalLM")
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config: dict, ops: LayerOps | None = None):
+    def __init__(self, hf_config: dict, ops: LayerOps | None = None, tp: TensorParallel = SINGLE):
+        """tp: this process's rank; `config` then holds the rank's own head and MLP counts."""
         super().__init__()
-        self.config = cfg = self.parse_config(hf_config)
-        self.model = DecoderModel(cfg, ops or LayerOps())
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.full_config = self.parse_config(hf_config)
+        self.config = cfg = local_config(self.full_config, tp)
+        self.tp = tp
+        self.model = DecoderModel(cfg, ops or LayerOps(), tp)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -165,20 +173,41 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def checkpoint_target(self, name: str) -> tuple[str, int]:
-        """Where a checkpoint tensor goes: (parameter name, first row). Separate HF projections
-        land in row ranges of the packed qkv_proj and gate_up_proj parameters."""
+    def checkpoint_target(self, name: str) -> Placement:
+        """Where a checkpoint tensor goes: the parameter, its first row, and with tensor parallelism the
+        slice this rank keeps. Separate HF projections land in row ranges of the packed qkv_proj and
+        gate_up_proj parameters."""
         if name.count(".") < 2:
-            return name, 0
+            return self._placement(name, name.split(".")[0], name.rsplit(".", 1)[-1], 0)
         prefix, module, leaf = name.rsplit(".", 2)
         c = self.config
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q), "v_proj": ("qkv_proj", q + kv),
                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", inter)}
         if module not in packed:
-            return name, 0
+            return self._placement(name, module, leaf, 0)
         target, row = packed[module]
-        return f"{prefix}.{target}.{leaf}", row
+        return self._placement(f"{prefix}.{target}.{leaf}", module, leaf, row)
+
+    def _placement(self, param: str, module: str, leaf: str, row: int) -> Placement:
+        if self.tp.size == 1:
+            return Placement(param, row)
+        return Placement(param, row, *shard(module, leaf, self.config, self.full_config.num_kv_heads, self.tp))
+
+    def checkpoint_pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A parameter of the one-rank model as the checkpoint tensors it is loaded from (packed ones split)."""
+        if name.count(".") < 2:
+            return [(name, tensor)]
+        prefix, module, leaf = name.rsplit(".", 2)
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if module == "qkv_proj":
+            parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]))
+        elif module == "gate_up_proj":
+            parts = zip(("gate_proj", "up_proj"), tensor.split([c.intermediate_size] * 2))
+        else:
+            return [(name, tensor)]
+        return [(f"{prefix}.{m}.{leaf}", t) for m, t in parts]
 
     def ignored_checkpoint_keys(self) -> set[str]:
         """Checkpoint tensors that are fine to skip (a tied head stored anyway)."""
