@@ -161,16 +161,22 @@ def load_hf_config(model: str) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: a model directory needs config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} must hold a JSON object")
+    config = read_json_object(config_file)
     archs = config.get("architectures")
     if not isinstance(archs, list) or not archs:
         raise ValueError(f"{config_file} has no 'architectures' list")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int) or config[key] <= 0:
             raise ValueError(f"{config_file}: {key!r} must be a positive integer, got {config.get(key)!r}")
+    return config
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding one object; ValueError naming the file otherwise."""
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object")
     return config

@@ -11,7 +11,7 @@ import pytest
 from huggingface_hub import constants
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.llm_engine import generation_defaults
+from nanovllm.engine.model_files import generation_defaults
 from nanovllm.engine_args import add_engine_options, engine_options
 
 COMMIT = "a" * 40

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed.executor import TensorParallelError
 from nanovllm.engine.detokenizer import OutputText
+from nanovllm.engine.model_files import eos_token_ids, generation_defaults, load_tokenizer
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
@@ -95,12 +95,12 @@ class LLMEngine:
         path = resolve_model(model, options.get("revision"), options.get("download_dir"))
         self.config = EngineConfig.from_options(model, str(path), **options)
         model_dir = Path(self.config.model_path)
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.runner = ModelRunner(self.config, None if self.config.load_format == "dummy" else model_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching, self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.eos_token_ids = _eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
         self._log_kv_pool()
         self.requests: dict[str, _Request] = {}
         self._by_seq_id: dict[int, tuple[_Request, _Sample]] = {}
@@ -376,53 +376,3 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
 def _runs_synchronously(params: SamplingParams) -> bool:
     """Logits go back to the host (logprobs), or sampling needs the tokens still in flight (penalties)."""
     return params.logprobs is not None or params.prompt_logprobs is not None or params.penalizes
-
-
-GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def generation_defaults(model_dir: Path) -> dict:
-    """SamplingParams fields set by the model's generation_config.json (vLLM's `--generation-config auto`:
-    temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens); checked here."""
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    defaults = {ours: config[theirs] for theirs, ours in GENERATION_FIELDS.items() if config.get(theirs) is not None}
-    try:
-        SamplingParams(**defaults)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
-    return defaults
-
-
-def _load_tokenizer(model_dir: Path):
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def _eos_token_ids(model_dir: Path, hf_config: dict, tokenizer) -> set[int]:
-    ids: set[int] = set()
-
-    def add(value) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(hf_config.get("eos_token_id"))
-    gen_config = model_dir / "generation_config.json"
-    if gen_config.is_file():
-        add(json.loads(gen_config.read_text()).get("eos_token_id"))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return ids
