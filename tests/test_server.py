@@ -476,3 +476,12 @@ def test_penalties_bias_and_min_tokens_over_http_equal_llm_generate(client, llm)
         want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **params), use_tqdm=False)[0]
         got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **request)
         assert got.choices[0].text == want.text != plain_text
+
+
+def test_min_tokens_without_max_tokens_and_over_the_limit(server, client):
+    """min_tokens with max_tokens left out takes the default limit (16 for a completion); above the limit the
+    request gets 400 naming min_tokens."""
+    got = client.completions.create(model="smollm2", prompt=PROMPTS[0], temperature=0, extra_body={"min_tokens": 5})
+    assert got.usage.completion_tokens >= 5
+    response = post(server, "/v1/completions", {"model": "smollm2", "prompt": PROMPTS[0], "min_tokens": 17})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens"

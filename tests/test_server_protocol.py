@@ -1,15 +1,13 @@
 """The server's request models without a server: field errors, unknown and unsupported fields, null as omitted,
-and the mapping to SamplingParams (engine fields passed by keyword once SamplingParams has them)."""
+and the mapping to SamplingParams (engine fields passed by keyword)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 
 pytest.importorskip("pydantic")
 
-from nanovllm.sampling_params import SamplingParams
 from nanovllm.server import protocol as p
 
 NAMES = ("smollm2",)
@@ -24,26 +22,13 @@ def refused(body: dict, chat: bool = False) -> p.APIError:
 @pytest.mark.parametrize("name, value", [("presence_penalty", 0.5), ("frequency_penalty", -1.0),
                                          ("repetition_penalty", 1.2), ("min_tokens", 3), ("logit_bias", {"5": 1.0}),
                                          ("include_stop_str_in_output", True), ("skip_special_tokens", False)])
-def test_engine_fields_are_refused_until_sampling_params_has_them(name, value, monkeypatch):
-    if name not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        error = refused({"prompt": "hi", name: value})
-        assert error.status == 400 and error.param == name and "not supported" in error.message
-    default = p.ENGINE_FIELDS[name]
-    assert p.parse_completion({"prompt": "hi", name: default}, NAMES).params.max_tokens == 1
-
-    @dataclasses.dataclass
-    class Extended(SamplingParams):  # what the engine branch adds, as far as the server is concerned
-        presence_penalty: float = 0.0
-        frequency_penalty: float = 0.0
-        repetition_penalty: float = 1.0
-        min_tokens: int = 0
-        logit_bias: dict | None = None
-        include_stop_str_in_output: bool = False
-        skip_special_tokens: bool = True
-
-    monkeypatch.setattr(p, "SamplingParams", Extended)
+def test_engine_fields_reach_sampling_params(name, value):
+    """Each of the engine's sampling fields is passed to SamplingParams by name (logit_bias keys as ints);
+    without max_tokens, the placeholder leaves room for min_tokens (the real limit is set per prompt)."""
     params = p.parse_completion({"prompt": "hi", name: value}, NAMES).params
     assert getattr(params, name) == ({5: 1.0} if name == "logit_bias" else value)
+    assert params.max_tokens == (3 if name == "min_tokens" else 1)
+    assert p.parse_completion({"prompt": "hi", name: p.ENGINE_FIELDS[name]}, NAMES).params.max_tokens == 1
 
 
 @pytest.mark.parametrize("body, param, message", [

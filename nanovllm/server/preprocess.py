@@ -79,7 +79,11 @@ class Preprocessor:
 
     def _prompt(self, token_ids: list[int], text: str, parsed: p.ParsedRequest, chat: bool,
                 field: str) -> PreparedPrompt:
-        params = dataclasses.replace(parsed.params, max_tokens=self._max_tokens(len(token_ids), parsed, chat))
+        max_tokens = self._max_tokens(len(token_ids), parsed, chat)
+        if parsed.params.min_tokens > max_tokens:
+            raise p.APIError(400, f"min_tokens={parsed.params.min_tokens} is more than the {max_tokens} tokens this "
+                                  f"request may generate", "min_tokens")
+        params = dataclasses.replace(parsed.params, max_tokens=max_tokens)
         self._check(token_ids, params, parsed.max_tokens_given, field)
         return PreparedPrompt(token_ids, params, text)
 

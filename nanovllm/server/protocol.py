@@ -223,7 +223,8 @@ def sampling_params_from_request(req: _Sampling, logprobs: int | None, prompt_lo
     caller replaces once the prompt length is known. ENGINE_FIELDS go by keyword where SamplingParams has them."""
     if req.max_tokens is not None and req.max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
-    kwargs: dict[str, Any] = {"max_tokens": req.max_tokens if req.max_tokens is not None else 1,
+    placeholder = req.min_tokens if isinstance(req.min_tokens, int) and req.min_tokens > 1 else 1  # min_tokens <= it
+    kwargs: dict[str, Any] = {"max_tokens": req.max_tokens if req.max_tokens is not None else placeholder,
                               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
                               "stop": _stop(req.stop)}
     for name in ("temperature", "top_p", "min_p", "seed", "top_k", "ignore_eos", "stop_token_ids"):
