@@ -221,7 +221,7 @@ class SplitKV(_OffloadKV):
         selection = select_for_step(self.selector, layer, q, k_cache.shape[2], self.batch, self._layout, head_bytes)
         if isinstance(selection, DeviceSelection):  # decode: host blocks read in place, counted on the device
             return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale,
-                                        host_kv=HostKV(self.pool.host[0, layer], self.pool.host[1, layer], RING_BASE))
+                                        host_kv=self._host_kv(layer))
         if selection is not None:
             return self._attend_selected(layer, q, k_cache, v_cache, selection, scale)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -246,6 +246,10 @@ class SplitKV(_OffloadKV):
             if unit + RING_SLOTS < self.num_units:
                 self._fill_unit(unit + RING_SLOTS)
         return out.to(q.dtype)
+
+    def _host_kv(self, layer: int) -> HostKV:
+        """This layer's host pool as the decode kernel's second pool, read in place (entries >= RING_BASE)."""
+        return HostKV(self.pool.host[0, layer], self.pool.host[1, layer], RING_BASE)
 
     def _layout(self, batch: SelectionInput) -> DecodeLayout:
         if self.layout is None:
@@ -321,5 +325,5 @@ class SplitKV(_OffloadKV):
             for seq, n in zip(groups.seq, host_blocks):
                 self.stats.host_bytes[seq] += n * head_bytes
         meta = group_metadata(self.backend, groups, ids, self.pool.block_size, q.device)
-        host_kv = HostKV(self.pool.host[0, layer], self.pool.host[1, layer], RING_BASE)
+        host_kv = self._host_kv(layer)
         return self.backend.forward(q, k_cache, v_cache, meta, scale, host_kv=host_kv)
