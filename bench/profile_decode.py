@@ -2,6 +2,10 @@
 and the CUDA-graph step time beside the HBM floor of the same step.
 
     PYTHONPATH=. python3 bench/profile_decode.py [--config bench/configs/llama-3.1-8b] [--batch 1] [--context 1024]
+        [--sparse-policy quest --quest-token-budget 2048]
+
+With a sparse policy (sparse from the first token on) the host-side operators are listed too: where the
+CPU time of an eager step goes.
 """
 from __future__ import annotations
 
@@ -38,26 +42,31 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--sparse-policy", default="full")
+    ap.add_argument("--quest-token-budget", type=int, default=2048)
     args = ap.parse_args()
+    sparse = {} if args.sparse_policy == "full" else dict(
+        sparse_policy=args.sparse_policy, sparse_min_context=0, quest_token_budget=args.quest_token_budget)
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
     prompts = [[(7 * i + j) % 1000 for j in range(args.context)] for i in range(args.batch)]
     results = {}
     for eager in (False, True):
         llm = LLM(args.config, load_format="dummy", max_model_len=args.context + 64, max_num_seqs=args.batch,
-                  enforce_eager=eager, gpu_memory_utilization=0.5)
+                  enforce_eager=eager, gpu_memory_utilization=0.5, **sparse)
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
         results["eager_ms" if eager else "graph_ms"] = step_time_ms(llm, prompts, args.steps)
         if eager:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if sparse else [])
+            with profile(activities=activities) as prof:
                 step_time_ms(llm, prompts, args.steps)
         weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
         del llm
         torch.cuda.empty_cache()
     by_kind: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
-        if evt.device_time_total > 0:
-            by_kind[kind_of(evt.key)] += evt.device_time_total / 1e3
+        if evt.self_device_time_total > 0:  # kernels; a CPU operator's device time is its kernels'
+            by_kind[kind_of(evt.key)] += evt.self_device_time_total / 1e3
     gpu_ms = sum(by_kind.values())
     results["floor_ms_weights"] = 1e3 * weights / bandwidth
     results["gpu_busy_ms_per_step"] = gpu_ms / args.steps
@@ -67,6 +76,8 @@ def main() -> None:
     for kind, ms in results["kernel_ms_per_step"].items():
         log(f"  {kind:24s} {ms:6.2f} ms/step")
     log(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
+    if sparse:
+        log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     save_results("profile_decode", results)
 
 

@@ -5,6 +5,7 @@ synchronous, which is how the offload strategies are tested in CI.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +106,24 @@ class HostKVPool:
         self.count("h2d", n=len(kinds) * len(runs), blocks=sum(r[2] for r in runs), share=len(kinds) / 2)
 
     def read_keys(self, layer: int, blocks: list[int], device: torch.device) -> torch.Tensor:
-        """K (never V) of one layer's host blocks, on the device: [len(blocks), block_size, Hk, D]."""
-        index = torch.tensor(blocks, dtype=torch.int64)
-        keys = self.host[0, layer].index_select(0, index).to(device, non_blocking=True)
+        """K (never V) of one layer's host blocks, on the device: [len(blocks), block_size, Hk, D]. Copied
+        run by run on the h2d stream after this step's device->host copies (blocks moved out at the step's
+        start are still being written to the host), and waited for by the current stream."""
+        keys = torch.empty((len(blocks),) + tuple(self.host.shape[3:]), dtype=self.host.dtype, device=device)
+        runs = consecutive_runs([(b, i) for i, b in enumerate(blocks)])
+        if self.cuda:
+            current = torch.cuda.current_stream(self.device)
+            self.h2d_stream.wait_stream(current)
+            if self.last_d2h is not None:
+                self.h2d_stream.wait_event(self.last_d2h)
+        with torch.cuda.stream(self.h2d_stream) if self.cuda else nullcontext():
+            for host_start, position, n in runs:
+                keys[position : position + n].copy_(self.host[0, layer, host_start : host_start + n], non_blocking=True)
+        if self.cuda:
+            current.wait_stream(self.h2d_stream)
+            keys.record_stream(self.h2d_stream)
         self.stats.h2d_bytes += len(blocks) * self.block_bytes_per_layer // 2
-        self.stats.h2d_copies += 1
+        self.stats.h2d_copies += len(runs)
         return keys
 
     def count(self, direction: str, n: int, blocks: int, share: float = 1.0) -> None:

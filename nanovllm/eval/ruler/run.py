@@ -22,7 +22,7 @@ DEFAULT_GENERATOR = "official"  # docs/RULER_PARITY.md: why not ours
 def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str | Path = "ruler_results",
               template: str = "chat", use_tqdm: bool = True, seed: int = DEFAULT_SEED,
               samples_file: str | Path | None = None, hf_check: bool = False,
-              generator: str = DEFAULT_GENERATOR) -> dict:
+              generator: str = DEFAULT_GENERATOR, hf_batch_size: int = 32) -> dict:
     """Generate RULER samples, run them all through ``llm.generate`` as one batch, score and report.
 
     Greedy decoding, per-task max_tokens, prompts passed as token ids (tokenized without special
@@ -31,6 +31,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
     the table. Returns {"summary", "records", "timings", "files"}.
     samples_file: read pre-generated samples (see save_samples) instead of generating them.
     hf_check: also run the prompts through HF transformers and score those predictions the same way.
+    hf_batch_size: prompts per HF generate call (left-padded); 1 runs each prompt alone, in one pass.
     generator: "official" (NVIDIA's scripts, see official.py) or "ours" (tasks.py).
     """
     from nanovllm.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ def run_ruler(llm, lengths, tasks="all", num_samples: int = 10, output_dir: str 
                         "host_kv_bytes_read": out.metrics.host_kv_bytes_read})
     summary = summarize(records)
     engine_s = finished - generated
-    hf = _hf_check(llm, samples, token_ids, records, use_tqdm) if hf_check else None
+    hf = _hf_check(llm, samples, token_ids, records, use_tqdm, hf_batch_size) if hf_check else None
     prompt_tokens = sum(len(ids) for ids in token_ids)
     output_tokens = sum(r["output_tokens"] for r in records)
     timings = {
@@ -184,12 +185,13 @@ def samples_from_file(path: str | Path, names: list[str], lengths: list[int], pe
     return kept
 
 
-def _hf_check(llm, samples: list[dict], token_ids: list[list[int]], records: list[dict], use_tqdm: bool) -> dict:
+def _hf_check(llm, samples: list[dict], token_ids: list[list[int]], records: list[dict], use_tqdm: bool,
+              batch_size: int) -> dict:
     """Score HF transformers' greedy predictions on the same prompts; per task and length, both scores."""
     from nanovllm.eval.ruler.hf_check import hf_predictions
 
     predictions = hf_predictions(llm.config.model_path, token_ids, [s["max_new_tokens"] for s in samples],
-                                 use_tqdm=use_tqdm)
+                                 batch_size=batch_size, use_tqdm=use_tqdm)
     hf_records = []
     for s, rec, pred in zip(samples, records, predictions):
         score = sample_score(TASKS[s["task"]].metric, pred, s["references"])
@@ -237,6 +239,8 @@ def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run samples written by --save-samples instead of generating them")
     parser.add_argument("--hf-check", action="store_true",
                         help="also run the same prompts through HF transformers (greedy) and report both scores")
+    parser.add_argument("--hf-batch-size", type=int, default=32,
+                        help="prompts per HF generate call with --hf-check (default: 32; 1: each prompt alone, unpadded)")
     add_engine_options(parser)
 
 
@@ -245,6 +249,8 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
 
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
     tasks = resolve_tasks(args.tasks)
     options = engine_options(args)
     options.setdefault("max_model_len", max(args.lengths))
@@ -267,7 +273,7 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, **options)
     return run_ruler(llm, args.lengths, tasks, args.samples, args.output, args.template,
                      use_tqdm=not args.no_progress, seed=args.data_seed, samples_file=args.samples_file,
-                     hf_check=args.hf_check, generator=args.generator)
+                     hf_check=args.hf_check, generator=args.generator, hf_batch_size=args.hf_batch_size)
 
 
 def add_ruler_parser(subparsers) -> argparse.ArgumentParser:
