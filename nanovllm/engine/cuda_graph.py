@@ -37,15 +37,18 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, make_kv: Callable[[AttentionMetadata, bool], KVAccess], buckets: list[int],
+    def __init__(self, model: nn.Module, make_kv: Callable[[AttentionMetadata, str], KVAccess], buckets: list[int],
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
-                 last_tokens: torch.Tensor, staged=None):
-        """make_kv(meta, staged): the KV access a graph is captured with; last_tokens: where an input id
-        -(row + 1) is read from (the previous step's sampled tokens); staged: the offload `StagedCopies`,
-        or None. With it, a second set of graphs is captured with staged KV access (they copy host-resident
-        KV into a ring slot, with addresses it sets before each replay) for steps with host KV; steps
-        without replay the plain graphs, free of the copies' cross-stream dependencies."""
+                 last_tokens: torch.Tensor, staged=None, narrowed_buckets: list[int] | None = None):
+        """make_kv(meta, mode): the KV access a graph of mode "plain", "staged" or "narrowed" is captured
+        with; last_tokens: where an input id -(row + 1) is read from (the previous step's sampled tokens);
+        staged: the offload `StagedCopies`, or None. With it, a second set of graphs is captured with staged
+        KV access (they copy host-resident KV into a ring slot, with addresses it sets before each replay)
+        for steps with host KV; steps without replay the plain graphs, free of the copies' cross-stream
+        dependencies. narrowed_buckets: the buckets that also get a graph of the block selector's narrowed
+        decode steps (engine/narrowed.py)."""
         self.model, self.make_kv, self.offload = model, make_kv, staged
+        self.narrowed_buckets = narrowed_buckets or []
         self.last_tokens = last_tokens
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.buckets = buckets
@@ -67,8 +70,11 @@ class DecodeGraphs:
         self.staged_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.staged_logits: dict[int, torch.Tensor] = {}
         self.copies: dict[int, GraphCopies] = {}
+        self.narrowed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.narrowed_logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         self.num_staged_replays = 0
+        self.num_narrowed_replays = 0
         self._capture_all()
 
     def _metadata(self, bs: int) -> AttentionMetadata:
@@ -78,25 +84,29 @@ class DecodeGraphs:
             block_tables_tensor=self.block_tables[:bs], block_size=self.block_size,
         )
 
-    def _forward(self, bs: int, staged: bool = False) -> torch.Tensor:
+    def _forward(self, bs: int, mode: str = "plain") -> torch.Tensor:
         self.seq_lens[:bs].copy_(self.positions[:bs] + 1)
         ids = resolve_placeholders(self.input_ids[:bs], self.last_tokens)
-        hidden = self.model(ids, self.positions[:bs], self.make_kv(self._metadata(bs), staged))
+        hidden = self.model(ids, self.positions[:bs], self.make_kv(self._metadata(bs), mode))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
-        for staged in [False] + ([True] if self.offload is not None else []):
-            for bs in reversed(self.buckets):  # largest first so smaller graphs reuse its memory pool
-                self._forward(bs, staged)  # warm-up: compiles kernels and allocates outside the graph
+        modes = [("plain", self.buckets)] + ([("staged", self.buckets)] if self.offload is not None else []) + \
+            ([("narrowed", self.narrowed_buckets)] if self.narrowed_buckets else [])
+        for mode, buckets in modes:
+            for bs in reversed(buckets):  # largest first so smaller graphs reuse its memory pool
+                self._forward(bs, mode)  # warm-up: compiles kernels and allocates outside the graph
                 torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph(keep_graph=staged)
+                graph = torch.cuda.CUDAGraph(keep_graph=mode == "staged")
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(bs, staged)
+                    logits = self._forward(bs, mode)
                 pool = graph.pool()
-                if not staged:
+                if mode == "plain":
                     self.graphs[bs], self.logits[bs] = graph, logits
+                elif mode == "narrowed":
+                    self.narrowed_graphs[bs], self.narrowed_logits[bs] = graph, logits
                 else:  # its host->device copies get new addresses before each replay
                     graph.instantiate()
                     self.copies[bs] = GraphCopies(graph, self.offload.placeholders)
@@ -110,9 +120,10 @@ class DecodeGraphs:
         rows[start:end, 3:] = self.scratch_block
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
-            bs: int, staged: bool = False) -> torch.Tensor:
+            bs: int, mode: str = "plain") -> torch.Tensor:
         """Replay the decode graph of bucket bs for len(token_ids) <= bs sequences; returns their logits
-        [B, vocab]. staged: the tables name ring positions (StagedCopies holds the step's copies)."""
+        [B, vocab]. mode "staged": the tables name ring positions (StagedCopies holds the step's copies);
+        "narrowed": host blocks are RING_BASE + host id (engine/narrowed.py)."""
         b = len(token_ids)
         self.staged.synchronize()  # with async scheduling the previous step's copy may still be queued
         rows = self.staging.numpy()
@@ -123,9 +134,13 @@ class DecodeGraphs:
         self.rows[:bs].copy_(self.staging[:bs], non_blocking=True)
         self.staged.record()
         self.num_replays += 1
-        if not staged:
+        if mode == "plain":
             self.graphs[bs].replay()
             return self.logits[bs][:b]
+        if mode == "narrowed":
+            self.narrowed_graphs[bs].replay()
+            self.num_narrowed_replays += 1
+            return self.narrowed_logits[bs][:b]
         self.offload.update_graph(self.copies[bs])
         self.staged_graphs[bs].replay()
         self.num_staged_replays += 1

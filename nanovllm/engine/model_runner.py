@@ -33,6 +33,7 @@ class ModelRunner:
                 self.worker = Worker(config, model_dir, self.tp_group.tp)
         self.planner = StepPlanner(self.worker.limits)
         self.planner.dense_decode = self.worker.selector.dense_for_decode
+        self.planner.narrowed_decode = self.worker.selector.narrowed_decode
 
     # What benchmarks and tests look at, on the worker.
     device = property(lambda self: self.worker.device)
@@ -67,6 +68,16 @@ class ModelRunner:
                              "sparse_policy option, which each rank builds over its own KV heads")
         self.worker.set_block_selector(selector)
         self.planner.dense_decode = selector.dense_for_decode
+        self.planner.narrowed_decode = selector.narrowed_decode
+
+    def recapture_decode_graphs(self) -> None:
+        """After the block selector (or its budget) changed: decode graphs for it, narrowed ones included."""
+        if self.tp_group is not None:
+            raise ValueError("recapture_decode_graphs needs tensor_parallel_size=1")
+        staged = self.staged_decode
+        self.worker.recapture_graphs()
+        self.planner.limits = self.worker.limits
+        self.staged_decode = staged
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the runner cannot run steps afterwards."""

@@ -22,14 +22,15 @@ from nanovllm.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class WorkerLimits:
     """What the planner must know of the worker: block size, decode graph buckets (None: no graphs),
-    and for offload decode steps staged in a ring slot the most host blocks (0: staging off) and the
-    shortest copy in blocks."""
+    for offload decode steps staged in a ring slot the most host blocks (0: staging off) and the
+    shortest copy in blocks, and the buckets of narrowed decode steps (engine/narrowed.py)."""
 
     block_size: int
     graph_buckets: list[int] | None = None
     offload: bool = False
     staged_max_blocks: int = 0
     min_copy_blocks: int = 1
+    narrowed_buckets: list[int] | None = None  # batch sizes that run the block selector's narrowed decode steps
 
 
 @dataclass
@@ -61,6 +62,7 @@ class StepPlan:
     released: list[int] = field(default_factory=list)  # finished sequences: the worker drops their state
     graph_batch: int | None = None  # the decode graph bucket that runs the step; None: eager
     staged_copies: list[tuple[int, int, int]] | None = None  # (host block, ring position, n) per layer: see offload/staged.py
+    narrowed: bool = False  # every row narrowed by the block selector the same way: engine/narrowed.py
 
     @property
     def has_host_blocks(self) -> bool:
@@ -73,6 +75,8 @@ class StepPlanner:
         # (block_size, KV lengths) -> True when a decode step attends to every block (the block selector
         # says so on the host): only then can it run the dense decode graphs and stage copies for all layers
         self.dense_decode: Callable[[int, list[int]], bool] = lambda block_size, seq_lens: True
+        # ... and when every row is narrowed alike (BlockSelector.narrowed_decode): the narrowed graphs
+        self.narrowed_decode: Callable[[int, list[int]], bool] = lambda block_size, seq_lens: False
         self._last_rows: dict[int, int] = {}  # seq_id -> its row in the last launched step's sampled tokens
         self._released: list[int] = []
 
@@ -108,7 +112,11 @@ class StepPlanner:
                         list(range(len(seqs))), [], [])
         self._locate_blocks(plan, [s.block_table for s in seqs])
         if not self.dense_decode(bs, plan.seq_lens):
-            return plan  # selected per layer on the device: eager
+            narrowed = self.limits.narrowed_buckets
+            if narrowed and len(seqs) <= narrowed[-1] and self.narrowed_decode(bs, plan.seq_lens):
+                plan.narrowed = True
+                plan.graph_batch = next(size for size in narrowed if size >= len(seqs))
+            return plan  # else selected per layer on the device, eagerly
         plan.staged_copies = self._staged_copies(plan)
         buckets = self.limits.graph_buckets
         host_ok = plan.staged_copies is not None or not (plan.has_host_blocks or offloads)

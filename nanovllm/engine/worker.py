@@ -17,6 +17,7 @@ from nanovllm.distributed.parallel_state import SINGLE, TensorParallel, broadcas
 from nanovllm.engine import graph_copies
 from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, resolve_placeholders
 from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.narrowed import NarrowedDecode
 from nanovllm.engine.memory import host_kv_bytes, kv_blocks_that_fit, resolve_backend, resolve_device, resolve_dtype
 from nanovllm.engine.offload import offload_kv_access
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
@@ -77,6 +78,8 @@ class Worker:
         can_stage = self.host_pool is not None and (not self.host_pool.cuda or graph_copies.available())
         self.staged = StagedCopies(self.host_pool) if can_stage else None
         self.selector: BlockSelector = build_sparse_policy(config, self.kv_cache, self.host_pool)
+        self.narrowed = NarrowedDecode(self.selector, self.kv_cache, self.backend, self.host_pool, self.block_size,
+                                       config.max_num_seqs)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -86,7 +89,8 @@ class Worker:
     def limits(self) -> WorkerLimits:
         return WorkerLimits(self.block_size, self.graphs.buckets if self.graphs else None, self.host_pool is not None,
                             self.host_pool.ring_blocks if self.staged else 0,
-                            self.staged.min_copy_blocks if self.staged else 1)
+                            self.staged.min_copy_blocks if self.staged else 1,
+                            self.graphs.narrowed_buckets if self.graphs else None)
 
     @property
     def num_host_blocks(self) -> int:
@@ -138,11 +142,17 @@ class Worker:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
             return None
         buckets = batch_buckets(min(self.config.max_num_seqs, 512))
-        return DecodeGraphs(self.model, self._graph_kv, buckets, self.config.num_blocks_per_seq_limit,
-                            self.block_size, self.num_blocks, self.device, self.last_tokens, self.staged)
+        max_blocks = self.config.num_blocks_per_seq_limit
+        narrowed = [b for b in buckets if b <= self.narrowed.graph_rows(max_blocks)] if self.narrowed.enabled else []
+        if narrowed:
+            self.narrowed.capturing()
+        return DecodeGraphs(self.model, self._graph_kv, buckets, max_blocks, self.block_size, self.num_blocks,
+                            self.device, self.last_tokens, self.staged, narrowed)
 
-    def _graph_kv(self, meta: AttentionMetadata, staged: bool) -> KVAccess:
-        return StagedKV(self.kv_cache, self.backend, meta, self.staged) if staged else \
+    def _graph_kv(self, meta: AttentionMetadata, mode: str) -> KVAccess:
+        if mode == "narrowed":
+            return self.narrowed.kv(meta)
+        return StagedKV(self.kv_cache, self.backend, meta, self.staged) if mode == "staged" else \
             DeviceKV(self.kv_cache, self.backend, meta)
 
     # ---- steps ----------------------------------------------------------------------------
@@ -175,7 +185,17 @@ class Worker:
         return tokens, stats
 
     def set_block_selector(self, selector: BlockSelector) -> None:
+        """The narrowed decode graphs keep the selector they were captured with: another one narrows eagerly
+        (until recapture_graphs)."""
         self.selector = selector
+        self.narrowed.selector = selector
+
+    def recapture_graphs(self) -> None:
+        """Capture the decode graphs again, the narrowed ones with the current selector and its budget."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.empty_cache()
+            self.graphs = self._capture_graphs()
 
     def _logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list], dict[int, SeqStepStats]]:
         """The forward pass: logits of the sampling rows (None when no sequence samples this step), the
@@ -184,12 +204,14 @@ class Worker:
             self.generators.pop(seq_id, None)
         if plan.offloads:
             self.kv_cache.moved_to_host(plan.offloads)
+        if plan.narrowed:
+            return self._narrowed_logits(plan), {}, self._narrowed_stats(plan)
         if plan.graph_batch is not None:
-            tables, staged = plan.block_tables, False
+            tables, mode = plan.block_tables, "plain"
             if plan.staged_copies is not None:
                 self.staged.set_step(plan.staged_copies, plan.offloads)
-                tables, staged = ring_tables(plan.block_tables, plan.on_host), bool(plan.staged_copies)
-            logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, staged)
+                tables, mode = ring_tables(plan.block_tables, plan.on_host), "staged" if plan.staged_copies else "plain"
+            logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, mode)
             return logits, {}, self._graph_stats(plan)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         sparse = None if self.selector.dense else SparseStats(len(plan.seq_lens))
@@ -206,6 +228,32 @@ class Worker:
         if not plan.sample_rows:
             return None, prompt_logprobs, stats
         return self.model.compute_logits(hidden[as_tensor(plan.sample_rows)]), prompt_logprobs, stats
+
+    def _narrowed_logits(self, plan: StepPlan) -> torch.Tensor:
+        """A decode step every row of which the selector narrows alike: in its graph when the graph was
+        captured with this selector, else the same KV access eagerly."""
+        if plan.offloads:
+            self.host_pool.copy_out_now(plan.offloads)
+        tables = self.narrowed.tables(plan.block_tables, plan.on_host)
+        if self.graphs is not None and self.narrowed.captured(self.selector, plan.graph_batch, self.graphs):
+            return self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, "narrowed")
+        n = len(plan.input_ids)
+        meta = self.backend.build_metadata([1] * n, plan.seq_lens, tables, plan.slots, self.block_size, self.device)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
+        return self.model.compute_logits(self.model(ids, as_tensor(plan.positions), self.narrowed.kv(meta)))
+
+    def _narrowed_stats(self, plan: StepPlan) -> dict[int, SeqStepStats]:
+        """From the step's counts: blocks read of those present, and host bytes read in place."""
+        layers, heads = self.kv_shape[0], self.kv_shape[2]
+        head_bytes = self.host_pool.block_bytes_per_layer // heads if self.host_pool else 0
+        stats = {}
+        for seq_id, n, (read, host) in zip(plan.seq_ids, plan.seq_lens, self.narrowed.read_counts(len(plan.seq_ids))):
+            stats[seq_id] = SeqStepStats(decode=(read, -(-n // self.block_size) * layers * heads),
+                                         host_kv_bytes=host * head_bytes)
+        if self.host_pool:
+            self.host_pool.stats.h2d_bytes += sum(s.host_kv_bytes for s in stats.values())
+        return stats
 
     def _dense_stats(self, plan: StepPlan) -> dict[int, SeqStepStats]:
         """Every layer reads every host block of the step once."""

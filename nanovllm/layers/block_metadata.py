@@ -19,6 +19,7 @@ class BlockKeyBounds:
         if block_size % self.page_size:
             raise ValueError(f"page_size={self.page_size} must divide block_size={block_size}")
         self.pages_per_block = block_size // self.page_size
+        self.block_size = block_size
         shape = (num_layers, num_blocks * self.pages_per_block, num_kv_heads, head_dim)
         self.min = torch.full(shape, float("inf"), dtype=dtype, device=device)
         self.max = torch.full(shape, float("-inf"), dtype=dtype, device=device)

@@ -55,12 +55,23 @@ class DecodeLayout:
     second_pool_base + id where the host pool is read in place); on_host, valid: [B, max blocks] bool;
     seq_lens: [B] int64."""
 
-    batch: SelectionInput
+    batch: SelectionInput | None  # None when built from a graph's tensors (from_tensors)
     blocks: torch.Tensor
     ids: torch.Tensor
     on_host: torch.Tensor
     valid: torch.Tensor
     seq_lens: torch.Tensor
+
+    @classmethod
+    def from_tensors(cls, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                     second_pool_base: int | None = None) -> DecodeLayout:
+        """From a decode graph's static inputs, with no host value: tables [B, W] (entries >=
+        second_pool_base name host blocks), seq_lens [B]. batch is None: callers use tensors only."""
+        seq_lens = seq_lens.to(torch.int64)
+        valid = torch.arange(tables.shape[1], device=tables.device)[None, :] < (-(-seq_lens // block_size))[:, None]
+        on_host = tables >= second_pool_base if second_pool_base is not None else torch.zeros_like(valid)
+        blocks = torch.where(on_host, tables - (second_pool_base or 0), tables)
+        return cls(None, torch.where(valid, blocks, -1), tables, on_host & valid, valid, seq_lens)
 
     @classmethod
     def build(cls, batch: SelectionInput, device: torch.device, second_pool_base: int | None = None) -> DecodeLayout:
@@ -82,6 +93,7 @@ class DecodeLayout:
 class BlockSelector(ABC):
     name: str
     dense = False  # True: select() always returns None; strategies may then use fixed, pre-planned copies
+    narrows = False  # True: narrowed_decode / narrowed_blocks / narrow are implemented (decode in graphs)
 
     @abstractmethod
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
@@ -99,6 +111,26 @@ class BlockSelector(ABC):
         block. Equal to select() with the query blocks switched on. Selectors without it return
         NotImplemented and are asked select() instead."""
         return NotImplemented
+
+    def narrowed_decode(self, block_size: int, seq_lens: list[int]) -> bool:
+        """True when a decode step of sequences with these KV lengths has every row narrowed to
+        `narrowed_blocks` blocks per KV head in each layer the selector narrows: the step can then run
+        the narrowed decode graphs (`narrow`)."""
+        return False
+
+    def narrowed_blocks(self, block_size: int) -> int:
+        """The blocks each KV head keeps in a narrowed decode step."""
+        raise NotImplementedError
+
+    def narrow_scratch_bytes(self, max_blocks: int) -> int:
+        """Device bytes `narrow` takes per row of max_blocks blocks (what a graph's memory pool keeps)."""
+        raise NotImplementedError
+
+    def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
+        """For a step `narrowed_decode` accepted: keep [B, Hk, W] over layout's blocks, at most
+        narrowed_blocks per head (fewer only in padding rows), from tensors alone (fixed shapes, no host
+        value, no sync: inside a CUDA graph); None for a layer read whole."""
+        raise NotImplementedError
 
 
 def with_query_blocks(selection: Selection, batch: SelectionInput) -> Selection:

@@ -97,14 +97,25 @@ def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv
 def decode_metadata(backend: AttentionBackend, selection: DeviceSelection) -> AttentionMetadata:
     """Per-KV-head decode metadata from a device selection, built on the device: each head's kept blocks in
     position order (the most recent last, the dropped ones full and before it)."""
-    layout, keep, width = selection.layout, selection.keep, selection.widest
-    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-    kept = keep.sum(-1)  # [B, Hk]
-    tables = layout.ids[:, None, :].expand_as(keep).gather(-1, order)
-    tables = torch.where(torch.arange(width, device=keep.device) < kept[..., None], tables, -1)
-    lengths = layout.seq_lens[:, None] - (layout.valid.sum(1, keepdim=True) - kept) * layout.batch.block_size
-    return backend.build_head_metadata([1] * keep.shape[0], lengths, tables, layout.batch.block_size, keep.device,
+    layout, block_size = selection.layout, selection.layout.batch.block_size
+    tables, lengths = head_tables(layout, selection.keep, selection.widest, block_size)
+    return backend.build_head_metadata([1] * tables.shape[0], lengths, tables, block_size, tables.device,
                                        max_seq_lens=layout.batch.seq_lens)
+
+
+def head_tables(layout: DecodeLayout, keep: torch.Tensor, width: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence and KV head, the kept blocks of keep [B, Hk, blocks] in position order as kernel table
+    entries [B, Hk, width] (padded with -1), and the KV length they hold [B, Hk] (the dropped blocks are
+    full and precede the most recent one, which is kept). Tensor operations of fixed shapes only (no
+    sort): each kept block goes to its rank among the kept ones, the dropped ones to a spare column."""
+    rank = keep.cumsum(-1) - 1
+    target = torch.where(keep & (rank < width), rank, width)
+    tables = torch.full((*keep.shape[:2], width + 1), -1, dtype=layout.ids.dtype, device=keep.device)
+    tables.scatter_(-1, target, layout.ids[:, None, :].expand_as(keep))
+    tables = tables[..., :width].contiguous()
+    kept = keep.sum(-1)  # [B, Hk]
+    lengths = layout.seq_lens[:, None] - (layout.valid.sum(1, keepdim=True) - kept) * block_size
+    return tables, lengths
 
 
 def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int,

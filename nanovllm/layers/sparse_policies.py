@@ -35,6 +35,7 @@ ESTIMATE_CHUNK = 8192  # XAttention's estimate takes queries in chunks of about 
 
 class QuestSelector(BlockSelector):
     name = "quest"
+    narrows = True
 
     def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
                  sink_blocks: int = 1, recent_blocks: int = 1):
@@ -62,7 +63,7 @@ class QuestSelector(BlockSelector):
 
     def sparse_rows(self, block_size: int, seq_lens: list[int]) -> list[bool]:
         """Which decode rows drop blocks: long enough, and with more blocks than the budget keeps."""
-        keeps = max(1, self.token_budget // block_size) + self.sink_blocks + self.recent_blocks
+        keeps = self.narrowed_blocks(block_size)
         return [n >= self.min_context and -(-n // block_size) > keeps for n in seq_lens]
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
@@ -74,10 +75,35 @@ class QuestSelector(BlockSelector):
         if layer < self.dense_layers:
             return None
         batch, budget = layout.batch, max(1, self.token_budget // layout.batch.block_size)
-        fixed = self.sink_blocks + self.recent_blocks
         sparse = self.sparse_rows(batch.block_size, batch.seq_lens)
         if not any(sparse):
             return None
+        keep = self._top_blocks(layer, q, num_kv_heads, layout, budget)
+        rows_sparse = torch.tensor(sparse, device=keep.device)[:, None, None]
+        keep = torch.where(rows_sparse, keep, layout.valid[:, None, :])
+        widest = max(budget + self.sink_blocks + self.recent_blocks if s else batch.num_blocks(i)
+                     for i, s in enumerate(sparse))
+        return keep, widest
+
+    def narrowed_decode(self, block_size: int, seq_lens: list[int]) -> bool:
+        return all(self.sparse_rows(block_size, seq_lens))
+
+    def narrowed_blocks(self, block_size: int) -> int:
+        return max(1, self.token_budget // block_size) + self.sink_blocks + self.recent_blocks
+
+    def narrow_scratch_bytes(self, max_blocks: int) -> int:
+        _, _, num_kv_heads, head_dim = self.bounds.min.shape
+        return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16  # min, max: gathered + float32
+
+    def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
+        if layer < self.dense_layers:
+            return None
+        return self._top_blocks(layer, q, num_kv_heads, layout, max(1, self.token_budget // self.bounds.block_size))
+
+    def _top_blocks(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+                    budget: int) -> torch.Tensor:
+        """keep [B, Hk, blocks]: per KV head the `budget` best-bounded blocks between the sink and the
+        most recent ones, and those; tensors only."""
         scores = self.batch_block_scores(layer, q, num_kv_heads, layout)  # [B, Hk, blocks]
         column = torch.arange(scores.shape[-1], device=scores.device)
         num_blocks = layout.valid.sum(1, keepdim=True)  # [B, 1]
@@ -85,10 +111,7 @@ class QuestSelector(BlockSelector):
         top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1).indices
         keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
         keep |= (~middle & layout.valid)[:, None, :]  # the sink and the most recent blocks
-        rows_sparse = torch.tensor(sparse, device=scores.device)[:, None, None]
-        keep = torch.where(rows_sparse, keep, layout.valid[:, None, :]) & layout.valid[:, None, :]
-        widest = max(budget + fixed if s else batch.num_blocks(i) for i, s in enumerate(sparse))
-        return keep, widest
+        return keep & layout.valid[:, None, :]
 
     def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """[B, Hk, blocks] upper bounds of each sequence's query q [B, Hq, D] on its blocks (-inf past its
@@ -238,12 +261,25 @@ class PrefillDecodeSelector(BlockSelector):
 
     def __init__(self, prefill: BlockSelector, decode: BlockSelector):
         self.prefill, self.decode = prefill, decode
+        self.narrows = decode.narrows
 
     def dense_for_decode(self, block_size, seq_lens) -> bool:
         return self.decode.dense_for_decode(block_size, seq_lens)
 
     def decode_keep(self, layer, q, num_kv_heads, layout):
         return self.decode.decode_keep(layer, q, num_kv_heads, layout)  # prefill policies keep decode rows whole
+
+    def narrowed_decode(self, block_size, seq_lens) -> bool:
+        return self.decode.narrowed_decode(block_size, seq_lens)
+
+    def narrowed_blocks(self, block_size) -> int:
+        return self.decode.narrowed_blocks(block_size)
+
+    def narrow_scratch_bytes(self, max_blocks) -> int:
+        return self.decode.narrow_scratch_bytes(max_blocks)
+
+    def narrow(self, layer, q, num_kv_heads, layout):
+        return self.decode.narrow(layer, q, num_kv_heads, layout)
 
     def select(self, layer, q, num_kv_heads, batch) -> Selection | None:
         by_prefill = self.prefill.select(layer, q, num_kv_heads, batch)

@@ -95,6 +95,15 @@ class HostKVPool:
                         device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
         self.count("d2h", n=2 * len(runs), blocks=sum(r[2] for r in runs))
 
+    def copy_out_now(self, offloads: list[tuple[int, int]]) -> None:
+        """The step's (device block, host block) moves, every layer, on the current stream, after the
+        copies an earlier step left on the d2h stream (for steps whose KV access copies nothing itself)."""
+        if self.cuda and self.last_d2h is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.last_d2h)
+        runs = consecutive_runs(sorted(offloads))
+        for layer in range(self.num_layers if runs else 0):
+            self.copy_out(layer, runs)
+
     def copy_in(self, layer: int, slot: int, runs: list[tuple[int, int, int]], values_only: bool = False) -> None:
         """Copy one layer's (host start, ring position, n) runs into a ring slot on the current stream
         (values_only: V alone, the caller has the keys)."""

@@ -13,7 +13,7 @@ import torch
 
 from nanovllm.engine import graph_copies
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool, consecutive_runs
+from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool
 from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.kv_access import KVAccess
@@ -66,11 +66,7 @@ class StagedCopies:
         """This step's copies. Blocks the step's scheduling moved out are copied to the host first, on
         the compute stream."""
         o = self.pool
-        if o.last_d2h is not None:  # host blocks an earlier step copied out on the side stream
-            torch.cuda.current_stream(o.device).wait_event(o.last_d2h)
-        runs = consecutive_runs(sorted(offloads))
-        for layer in range(o.num_layers if runs else 0):
-            o.copy_out(layer, runs)
+        o.copy_out_now(offloads)
         self.pieces = pieces
         o.count("h2d", n=2 * len(pieces) * o.num_layers, blocks=sum(p[2] for p in pieces) * o.num_layers)
 

@@ -1,0 +1,114 @@
+"""Decode steps a block selector narrows in every row (Quest over long sequences), built from static
+tensors so that they run in CUDA graphs like dense decode steps.
+
+`BlockSelector.narrowed_decode` tells the planner, on the host, that each row of a decode step keeps
+`narrowed_blocks` blocks per KV head in every layer the selector narrows. `NarrowedDecodeKV` then makes
+the whole selection from the graph's inputs: the block tables (a host block as RING_BASE + its host
+id, read in place from pinned memory by the decode kernel), the KV lengths and the layer's queries. It
+builds per-KV-head tables of a fixed width and counts, in a static buffer, the blocks each row read and
+the host blocks among them (read once after the step). Layers the selector reads whole attend over the
+full tables, their host blocks from the device mirror where the pool keeps one (offload/host_pool.py).
+Without graphs (on the CPU) the same access runs eagerly, which is how it is tested in CI.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.offload.host_pool import RING_BASE, HostKVPool
+from nanovllm.kernels.reference import HostKV
+from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.block_selector import BlockSelector, DecodeLayout
+from nanovllm.layers.kv_access import KVAccess, head_tables
+
+GRAPH_SCRATCH_BYTES = 2 * 2**30  # the most a narrowed graph's selection may hold at once (bounds gathered per row)
+
+
+class NarrowedDecode:
+    """What narrowed decode steps share for the engine's life: the selector, the pools and the count
+    buffer [rows, 2] (blocks read, host blocks read in place; summed over layers and KV heads)."""
+
+    def __init__(self, selector: BlockSelector, cache: PagedKVCache, backend: AttentionBackend,
+                 host_pool: HostKVPool | None, block_size: int, max_rows: int):
+        self.selector, self.cache, self.backend, self.host_pool = selector, cache, backend, host_pool
+        self.block_size = block_size
+        self.counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=cache.data.device)
+        self.captured_with: BlockSelector | None = None  # the selector the narrowed graphs were captured with
+
+    @property
+    def enabled(self) -> bool:
+        return self.selector.narrows
+
+    def captured(self, selector: BlockSelector, bucket: int, graphs) -> bool:
+        """Whether a narrowed graph of this bucket runs `selector`'s narrowing (a selector swapped in later,
+        or one whose budget changed since the capture, runs eagerly)."""
+        return selector is self.captured_with and bucket in graphs.narrowed_graphs and \
+            self.captured_blocks == selector.narrowed_blocks(self.block_size)
+
+    def capturing(self) -> None:
+        """The narrowed graphs are being captured with the current selector."""
+        self.captured_with, self.captured_blocks = self.selector, self.selector.narrowed_blocks(self.block_size)
+
+    def kv(self, meta: AttentionMetadata) -> NarrowedDecodeKV:
+        return NarrowedDecodeKV(self, meta)
+
+    def graph_rows(self, max_blocks_per_seq: int) -> int:
+        """The most rows a narrowed graph takes, for its selection's scratch to stay in GRAPH_SCRATCH_BYTES."""
+        return GRAPH_SCRATCH_BYTES // max(1, self.selector.narrow_scratch_bytes(max_blocks_per_seq))
+
+    @staticmethod
+    def tables(block_tables: list[list[int]], on_host: list[list[bool]] | None) -> list[list[int]]:
+        """The kernel's block tables: host blocks as RING_BASE + their host id."""
+        if on_host is None:
+            return block_tables
+        return [[RING_BASE + b if h else b for b, h in zip(t, f)] for t, f in zip(block_tables, on_host)]
+
+    def second_pool(self, layer: int, whole: bool) -> tuple[HostKV | None, bool]:
+        """Where this layer's host blocks are read: (second pool, True when that is pinned host memory
+        read over PCIe). A layer read whole uses the device mirror when the pool keeps one for it."""
+        pool = self.host_pool
+        if pool is None:
+            return None, False
+        if whole and layer < pool.mirrored_layers:
+            return HostKV(pool.mirror[0, layer], pool.mirror[1, layer], RING_BASE), False
+        return HostKV(pool.host[0, layer], pool.host[1, layer], RING_BASE), True
+
+    def read_counts(self, rows: int) -> list[tuple[int, int]]:
+        """(blocks read, host blocks read in place) per row of the last narrowed step (waits for it)."""
+        return [tuple(r) for r in self.counts[:rows].tolist()]
+
+
+class NarrowedDecodeKV(KVAccess):
+    """One narrowed decode step (module docstring); meta: the step's (or graph's) decode metadata."""
+
+    def __init__(self, shared: NarrowedDecode, meta: AttentionMetadata):
+        self.shared, self.meta = shared, meta
+        self.layout: DecodeLayout | None = None
+        self.counts = shared.counts[: meta.num_seqs]
+
+    def attend(self, layer, q, k, v, scale):
+        s, meta = self.shared, self.meta
+        s.cache.write(layer, k, v, meta.slot_mapping)
+        k_cache, v_cache = s.cache.layer(layer)
+        num_kv_heads = k_cache.shape[2]
+        base = RING_BASE if s.host_pool is not None else None
+        if self.layout is None:  # the first layer: the step's layout and fresh counts
+            self.layout = DecodeLayout.from_tensors(meta.block_tables_tensor, meta.seq_lens_tensor, s.block_size, base)
+            self.counts.zero_()
+        layout = self.layout
+        keep = s.selector.narrow(layer, q, num_kv_heads, layout)
+        second, over_pcie = s.second_pool(layer, whole=keep is None)
+        if keep is None:
+            keep = layout.valid[:, None, :].expand(-1, num_kv_heads, -1)
+            attend_meta = meta
+        else:
+            width = min(s.selector.narrowed_blocks(s.block_size), layout.ids.shape[1])
+            tables, lengths = head_tables(layout, keep, width, s.block_size)
+            attend_meta = AttentionMetadata(
+                query_lens=meta.query_lens, seq_lens=[width * s.block_size] * meta.num_seqs, block_tables=[],
+                slot_mapping=meta.slot_mapping, cu_query_lens=meta.cu_query_lens,
+                seq_lens_tensor=lengths.to(torch.int32), block_tables_tensor=tables, block_size=s.block_size)
+        self.counts[:, 0] += keep.sum((1, 2))
+        if over_pcie:
+            self.counts[:, 1] += (keep & layout.on_host[:, None, :]).sum((1, 2))
+        return s.backend.forward(q, k_cache, v_cache, attend_meta, scale, host_kv=second)

@@ -1,0 +1,142 @@
+"""Narrowed decode steps (engine/narrowed.py): Quest's selection made from a decode graph's static
+tensors. On the CPU the graphs are not captured, but the same KV access runs eagerly once the planner
+is told it has narrowed buckets; it must equal the per-layer device selection it replaces."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.step_plan import StepPlanner, WorkerLimits
+from nanovllm.layers.block_metadata import BlockKeyBounds
+from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
+from nanovllm.layers.kv_access import head_tables
+from nanovllm.layers.sparse_policies import QuestSelector
+
+BS = 16
+BASE = 1000
+
+
+def test_narrow_from_graph_tensors_equals_the_per_step_device_selection():
+    """Three sequences, all past the budget, blocks on the device and the host: narrow() on a layout
+    built from padded tables and lengths alone (what a graph holds) keeps the same blocks as
+    decode_keep() on the layout built from the step's lists, and the per-head tables agree."""
+    g = torch.Generator().manual_seed(0)
+    num_kv_heads, group, dim, bs = 2, 2, 8, 32
+    cache = PagedKVCache(1, 40, bs, num_kv_heads, dim, torch.float32, torch.device("cpu"))
+    bounds = BlockKeyBounds(1, 40, 20, bs, num_kv_heads, dim, torch.device("cpu"), page_size=16)
+    cache.hooks.append(bounds)
+    seq_lens, free = [9 * bs + 5, 8 * bs + 1, 12 * bs + 20], torch.randperm(40, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    for table, n in zip(tables, seq_lens):
+        keys = torch.randn(n, num_kv_heads, dim, generator=g)
+        cache.write(0, keys, keys, torch.tensor([table[p // bs] * bs + p % bs for p in range(n)]))
+    on_host = [[c % 3 == 1 and c < len(t) - 1 for c in range(len(t))] for t in tables]
+    moves = [(b, 2 * i + c) for i, (t, f) in enumerate(zip(tables, on_host)) for c, (b, h) in enumerate(zip(t, f)) if h]
+    cache.moved_to_host(moves)
+    located = [[2 * i + c if h else b for c, (b, h) in enumerate(zip(t, f))] for i, (t, f) in enumerate(zip(tables, on_host))]
+    batch = SelectionInput([1] * 3, seq_lens, bs, located, on_host)
+    selector = QuestSelector(bounds, token_budget=3 * bs, dense_layers=0, min_context=0)
+    assert selector.narrowed_decode(bs, seq_lens) and selector.narrowed_blocks(bs) == 5
+    q = torch.randn(3, num_kv_heads * group, dim, generator=g)
+    step = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=BASE)
+    want, widest = selector.decode_keep(0, q, num_kv_heads, step)
+    width = 16  # the graph's table width: past every sequence's blocks, padded with a scratch block
+    padded = torch.full((3, width), 39, dtype=torch.int64)
+    for i, (t, f) in enumerate(zip(located, on_host)):
+        padded[i, : len(t)] = torch.tensor([BASE + b if h else b for b, h in zip(t, f)])
+    graph = DecodeLayout.from_tensors(padded, torch.tensor(seq_lens, dtype=torch.int32), bs, BASE)
+    got = selector.narrow(0, q, num_kv_heads, graph)
+    assert torch.equal(got[:, :, : want.shape[-1]], want) and not got[:, :, want.shape[-1]:].any()
+    assert widest == selector.narrowed_blocks(bs) and bool((got.sum(-1) == 5).all())
+    assert torch.equal(graph.on_host[:, : step.on_host.shape[1]], step.on_host)
+    want_tables, want_lengths = head_tables(step, want, widest, bs)
+    got_tables, got_lengths = head_tables(graph, got, widest, bs)
+    assert torch.equal(got_tables, want_tables) and torch.equal(got_lengths, want_lengths)
+    assert selector.narrow(0, q, num_kv_heads, graph) is not None
+    assert QuestSelector(bounds, 3 * bs, dense_layers=1, min_context=0).narrow(0, q, num_kv_heads, graph) is None
+
+
+def test_planner_narrows_only_steps_whose_every_row_is_narrowed():
+    limits = WorkerLimits(BS, graph_buckets=[1, 2, 4], narrowed_buckets=[1, 2])
+    planner = StepPlanner(limits)
+    planner.dense_decode = lambda bs, lens: all(n < 100 for n in lens)
+    planner.narrowed_decode = lambda bs, lens: all(n >= 100 for n in lens)
+
+    class Seq:
+        def __init__(self, seq_id, n):
+            self.seq_id, self.token_ids, self.block_table = seq_id, [1] * n, list(range(-(-n // BS)))
+
+        def __len__(self):
+            return len(self.token_ids)
+
+    plan = planner._decode_plan([Seq(0, 150), Seq(1, 200)], [])
+    assert plan.narrowed and plan.graph_batch == 2
+    plan = planner._decode_plan([Seq(0, 150), Seq(1, 50)], [])  # one row dense: per layer, eagerly
+    assert not plan.narrowed and plan.graph_batch is None
+    plan = planner._decode_plan([Seq(i, 150) for i in range(3)], [])  # past the narrowed buckets
+    assert not plan.narrowed and plan.graph_batch is None
+    plan = planner._decode_plan([Seq(0, 50)], [])
+    assert not plan.narrowed and plan.graph_batch == 1
+
+
+def quest_engine(path, narrowed: bool, **options) -> LLM:
+    llm = LLM(str(path), kvcache_block_size=BS, device="cpu", sparse_policy="quest", sparse_min_context=0,
+              max_num_batched_tokens=64, **options)
+    if narrowed:  # what a CUDA worker's limits say; without graphs the narrowed access runs eagerly
+        llm.runner.planner.limits = replace(llm.runner.planner.limits, narrowed_buckets=[1, 2, 4, 8])
+    return llm
+
+
+def count_narrowed_steps(llm: LLM) -> list[int]:
+    seen, run = [], llm.runner.worker._narrowed_logits
+
+    def counting(plan):
+        seen.append(len(plan.seq_ids))
+        return run(plan)
+    llm.runner.worker._narrowed_logits = counting
+    return seen
+
+
+@pytest.mark.parametrize("offload, dense_layers", [(False, 0), (False, 1), (True, 0), (True, 1)],
+                         ids=["device", "device-dense-layer", "offload", "offload-mirrored-layer"])
+def test_narrowed_steps_equal_the_eager_device_selection(tiny_llama, offload, dense_layers):
+    """Same tokens, logprobs, decode densities and host bytes as the per-layer device selection, with
+    every decode step past the budget run as a narrowed step (two sequences, then one)."""
+    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
+        dict(num_gpu_blocks=64)
+    options = dict(quest_token_budget=2 * BS, quest_dense_layers=dense_layers, **memory)
+    prompts = [[(7 * i) % 250 + 3 for i in range(150)], [(5 * i) % 250 + 3 for i in range(97)]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 6)]
+    want = quest_engine(tiny_llama, False, **options).generate(prompts, params, use_tqdm=False)
+    llm = quest_engine(tiny_llama, True, **options)
+    seen = count_narrowed_steps(llm)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert seen and 2 in seen and 1 in seen
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-5
+        assert g.metrics.decode_density == pytest.approx(w.metrics.decode_density) and g.metrics.decode_density < 1
+        assert g.metrics.host_kv_bytes_read == w.metrics.host_kv_bytes_read
+    if offload:
+        assert sum(o.metrics.host_kv_bytes_read for o in got) == llm.runner.host_pool.stats.h2d_bytes > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
+    """The narrowed graphs bake in the selector and its budget: another budget must not replay them."""
+    llm = quest_engine(tiny_llama, True, quest_token_budget=2 * BS, num_gpu_blocks=64)
+    narrowed = llm.runner.worker.narrowed
+    narrowed.capturing()
+
+    class Graphs:
+        narrowed_graphs = {1: object()}
+    selector = llm.runner.worker.selector
+    assert narrowed.captured(selector, 1, Graphs)
+    selector.token_budget = 4 * BS
+    assert not narrowed.captured(selector, 1, Graphs)
+    assert not narrowed.captured(QuestSelector(selector.bounds, 2 * BS, 0, 0), 1, Graphs)
