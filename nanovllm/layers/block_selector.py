@@ -61,6 +61,7 @@ class DecodeLayout:
     on_host: torch.Tensor
     valid: torch.Tensor
     seq_lens: torch.Tensor
+    base: int | None = None  # ids >= base name host blocks (base + host id); None: ids are the blocks
 
     @classmethod
     def from_tensors(cls, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -71,7 +72,7 @@ class DecodeLayout:
         valid = torch.arange(tables.shape[1], device=tables.device)[None, :] < (-(-seq_lens // block_size))[:, None]
         on_host = tables >= second_pool_base if second_pool_base is not None else torch.zeros_like(valid)
         blocks = torch.where(on_host, tables - (second_pool_base or 0), tables)
-        return cls(None, torch.where(valid, blocks, -1), tables, on_host & valid, valid, seq_lens)
+        return cls(None, torch.where(valid, blocks, -1), tables, on_host & valid, valid, seq_lens, second_pool_base)
 
     @classmethod
     def build(cls, batch: SelectionInput, device: torch.device, second_pool_base: int | None = None) -> DecodeLayout:
@@ -87,7 +88,7 @@ class DecodeLayout:
         entries = ids if second_pool_base is None else torch.where(on_host, ids + second_pool_base, ids)
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(batch, to(ids), to(entries), to(on_host), to(valid),
-                   to(torch.tensor(batch.seq_lens, dtype=torch.int64)))
+                   to(torch.tensor(batch.seq_lens, dtype=torch.int64)), second_pool_base)
 
 
 class BlockSelector(ABC):

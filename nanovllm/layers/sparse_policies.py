@@ -93,6 +93,8 @@ class QuestSelector(BlockSelector):
 
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         _, _, num_kv_heads, head_dim = self.bounds.min.shape
+        if self.bounds.min.is_cuda:  # the kernel reads the bounds in place: scores, masks and tables per block
+            return max_blocks * num_kv_heads * 64
         return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16  # min, max: gathered + float32
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
@@ -116,7 +118,14 @@ class QuestSelector(BlockSelector):
     def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """[B, Hk, blocks] upper bounds of each sequence's query q [B, Hq, D] on its blocks (-inf past its
         keys). Per dimension max(q*max, q*min) is q+ * max + q- * min (max >= min), so the bound of a page
-        is two matrix products."""
+        is two matrix products. On CUDA one Triton kernel reads the bounds through the tables
+        (kernels/triton_quest.py); this is its reference."""
+        if q.is_cuda:
+            from nanovllm.kernels.triton_quest import quest_block_scores
+
+            b = self.bounds
+            return quest_block_scores(q, b.min[layer], b.max[layer], b.host_min[layer], b.host_max[layer], layout.ids,
+                                      layout.seq_lens, b.block_size, b.page_size, layout.base)
         lo, hi = self.bounds.layout_pages(layer, layout)  # [B, pages, Hk, D]
         batch_size, pages = lo.shape[:2]
         q = q.float().view(batch_size, num_kv_heads, -1, q.shape[-1])  # [B, Hk, group, D]

@@ -1,0 +1,86 @@
+"""Quest's block scores in one Triton kernel, read straight from the key bounds through the block tables.
+
+For a decode step's queries q [B, Hq, D] and per-page key bounds (min, max) [pages, Hk, D] of one layer
+(device pages, plus host blocks' pages in a second array named by table entries >= base), the score of
+sequence b's block c for KV head h is the largest, over the group's query heads and the block's pages
+holding keys, of sum_d max(q_d * max_d, q_d * min_d) = q+ . max + q- . min; -inf past the sequence's
+blocks. The same numbers as `QuestSelector.batch_block_scores`, the reference, but without gathering
+the bounds of every page into a copy: grid (B, Hk, cdiv(W, BLOCKS)), each program reads its blocks'
+pages once (16 x D per block of 256 tokens), so the scores cost one pass over the bounds and the
+shapes alone fix the launch (no host value: it runs inside CUDA graphs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.triton_interpreter import patch_if_interpreting
+
+patch_if_interpreting()
+
+BLOCKS_PER_PROGRAM = 8
+NO_SECOND_POOL = 1 << 62  # a base no table entry reaches
+
+
+@triton.jit
+def _quest_scores_kernel(
+    q_ptr, lo_ptr, hi_ptr, tables_ptr, seq_lens_ptr, out_ptr, lo_delta, hi_delta, base, num_columns,
+    stride_qb, stride_qh, stride_page, stride_ph, stride_tb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGES: tl.constexpr,
+    PAGES_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    first = tl.program_id(2) * BLOCKS
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    written_pages = (seq_len + PAGE_SIZE - 1) // PAGE_SIZE
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    p = tl.arange(0, PAGES_PAD)
+    q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    q_pos = tl.maximum(q, 0.0)
+    q_neg = tl.minimum(q, 0.0)
+    for i in range(BLOCKS):
+        c = first + i
+        in_table = c < num_columns
+        entry = tl.load(tables_ptr + b * stride_tb + c, mask=in_table, other=0)
+        on_host = entry >= base
+        block = tl.where(on_host, entry - base, entry)
+        page_ok = (p < PAGES) & (c * PAGES + p < written_pages) & (c < num_blocks) & in_table
+        offsets = (block * PAGES + p)[:, None] * stride_page + h * stride_ph + d[None, :]
+        hi = tl.load(hi_ptr + offsets + tl.where(on_host, hi_delta, 0), mask=page_ok[:, None], other=0.0).to(tl.float32)
+        lo = tl.load(lo_ptr + offsets + tl.where(on_host, lo_delta, 0), mask=page_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q_pos, tl.trans(hi), input_precision="ieee") + tl.dot(q_neg, tl.trans(lo), input_precision="ieee")
+        s = tl.where((g < GROUP)[:, None] & page_ok[None, :], s, float("-inf"))
+        score = tl.max(tl.max(s, axis=1), axis=0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + c, score, mask=in_table)
+
+
+def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host_lo: torch.Tensor,
+                       host_hi: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                       page_size: int, base: int | None) -> torch.Tensor:
+    """[B, Hk, W] float32 block scores. q [B, Hq, D]; lo/hi [pages, Hk, D] one layer's device page
+    bounds, host_lo/host_hi the same for host blocks (entries >= base of tables [B, W]; may be empty);
+    seq_lens [B]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = lo.shape[1]
+    if host_lo.numel() and (host_lo.stride() != lo.stride() or host_lo.dtype != lo.dtype or
+                            host_hi.stride() != hi.stride() or host_hi.dtype != hi.dtype):
+        raise ValueError("host page bounds need the device bounds' dtype and strides")
+    lo_delta = (host_lo.data_ptr() - lo.data_ptr()) // lo.element_size() if host_lo.numel() else 0
+    hi_delta = (host_hi.data_ptr() - hi.data_ptr()) // hi.element_size() if host_hi.numel() else 0
+    width = tables.shape[1]
+    out = torch.empty(batch, num_kv_heads, width, dtype=torch.float32, device=q.device)
+    group, pages = num_heads // num_kv_heads, block_size // page_size
+    grid = (batch, num_kv_heads, triton.cdiv(width, BLOCKS_PER_PROGRAM))
+    _quest_scores_kernel[grid](
+        q, lo, hi, tables, seq_lens, out, lo_delta, hi_delta, NO_SECOND_POOL if base is None else base, width,
+        q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGES=pages,
+        PAGES_PAD=max(16, triton.next_power_of_2(pages)), PAGE_SIZE=page_size, BLOCK_SIZE=block_size,
+        BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
+    )
+    return out

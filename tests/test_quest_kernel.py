@@ -1,0 +1,65 @@
+"""Quest's block-score kernel (kernels/triton_quest.py) against QuestSelector.batch_block_scores, the
+PyTorch reference, on random bounds of device and host blocks (Triton's CPU interpreter without CUDA)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest
+
+from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.layers.block_metadata import BlockKeyBounds
+from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
+from nanovllm.layers.sparse_policies import QuestSelector
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BASE = 1 << 40
+
+
+@pytest.mark.parametrize("block_size, num_kv_heads, group, host", [(16, 2, 3, False), (32, 2, 2, True),
+                                                                    (64, 1, 4, True), (32, 4, 1, False)])
+def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host):
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import quest_block_scores
+
+    g = torch.Generator().manual_seed(block_size + num_kv_heads)
+    dim, num_blocks, num_host = 16, 24, 12
+    cache = PagedKVCache(1, num_blocks, block_size, num_kv_heads, dim, torch.float32, torch.device("cpu"))
+    bounds = BlockKeyBounds(1, num_blocks, num_host, block_size, num_kv_heads, dim, torch.device("cpu"), page_size=16)
+    cache.hooks.append(bounds)
+    seq_lens = [5 * block_size + 7, 2 * block_size, 9 * block_size + 1]  # a partial last block, a full one
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    for table, n in zip(tables, seq_lens):
+        keys = torch.randn(n, num_kv_heads, dim, generator=g)
+        cache.write(0, keys, keys, torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)]))
+    on_host = [[host and c % 2 == 0 and c < len(t) - 1 for c in range(len(t))] for t in tables]
+    moves, located, next_host = [], [], 0
+    for table, flags in zip(tables, on_host):
+        row = []
+        for b, h in zip(table, flags):
+            if h:
+                moves.append((b, next_host))
+                row.append(next_host)
+                next_host += 1
+            else:
+                row.append(b)
+        located.append(row)
+    if moves:
+        cache.moved_to_host(moves)
+    batch = SelectionInput([1] * 3, seq_lens, block_size, located, on_host if host else None)
+    layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=BASE if host else None)
+    q = torch.randn(3, num_kv_heads * group, dim, generator=g)
+    want = QuestSelector(bounds, 4 * block_size, 0, 0).batch_block_scores(0, q, num_kv_heads, layout)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    got = quest_block_scores(to(q), to(bounds.min[0]), to(bounds.max[0]), to(bounds.host_min[0]),
+                             to(bounds.host_max[0]), to(layout.ids), to(layout.seq_lens), block_size, 16,
+                             layout.base).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=1e-5)
+    assert finite.sum() == sum(-(-n // block_size) for n in seq_lens) * num_kv_heads
