@@ -9,7 +9,12 @@ of the key bytes for each of min and max.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+# PyTorch warns on every first use that index_reduce_ is in beta; its amin/amax are what the bounds need.
+warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
 
 class BlockKeyBounds:

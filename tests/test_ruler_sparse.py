@@ -1,0 +1,51 @@
+"""nanovllm.eval.ruler.sparse: dense and sparse policies over the same RULER samples, one table."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanovllm.eval.ruler.sparse import main, sparse_table
+
+
+def result(scores: dict[str, float], prefill: float = 1.0) -> dict:
+    tasks = {t: {4096: {"score": s, "passed": int(s >= 50), "total": 1}} for t, s in scores.items()}
+    mean = sum(scores.values()) / len(scores)
+    return {"summary": {"tasks": tasks, "lengths": {4096: {"score": mean, "passed": sum(s >= 50 for s in scores.values()),
+                                                           "total": len(scores)}}},
+            "attention": {"4096": {"prefill_density": prefill, "decode_density": 1.0, "host_kv_gb": 0.0}}}
+
+
+def test_table_shows_each_policy_against_full_and_its_worst_tasks():
+    table = sparse_table({"full": result({"vt": 100.0, "qa_1": 50.0, "cwe": 0.0}),
+                          "xattention": result({"vt": 40.0, "qa_1": 50.0, "cwe": 10.0}, prefill=0.3)})
+    assert "| full | 4096 | 50.00 (2/3) |  |" in table
+    assert "| xattention | 4096 | 33.33 (1/3) | -16.67 | 0.300 |" in table
+    assert "- xattention: vt 4096 -60.0, qa_1 4096 +0.0, cwe 4096 +10.0" in table
+
+
+def test_options_the_comparison_does_not_take_are_refused(tmp_path, capsys):
+    for extra in (["--hf-check"], ["--sparse-policy", "quest"]):
+        with pytest.raises(SystemExit):
+            main(["--lengths", "1024", "--tasks", "vt", "--samples", "1", "--output", str(tmp_path), *extra])
+        assert "is not taken by the sparse comparison" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_policies_run_on_the_same_samples(tmp_path, smollm2_path):
+    from nanovllm.eval.ruler.run import main as ruler_main
+
+    samples = tmp_path / "samples.json.gz"
+    ruler_main(["--model", str(smollm2_path), "--lengths", "1024", "--tasks", "niah_single_1", "--samples", "2",
+                "--generator", "ours", "--save-samples", str(samples)])
+    main(["--model", str(smollm2_path), "--samples-file", str(samples), "--lengths", "1024", "--tasks", "niah_single_1",
+          "--samples", "2", "--policies", "full", "xattention+quest", "--device", "cpu", "--dtype", "float32",
+          "--kvcache-block-size", "16", "--sparse-min-context", "0", "--xattn-block-size", "16",
+          "--quest-token-budget", "64", "--quest-dense-layers", "0", "--output", str(tmp_path / "out"), "--no-progress"])
+    saved = json.loads((tmp_path / "out" / "sparse.json").read_text())
+    assert set(saved) == {"full", "xattention+quest"}
+    full, sparse = saved["full"]["attention"]["1024"], saved["xattention+quest"]["attention"]["1024"]
+    assert full["prefill_density"] == full["decode_density"] == 1.0
+    assert sparse["prefill_density"] < 1.0 and sparse["decode_density"] < 1.0
+    assert (tmp_path / "out" / "xattention_quest" / "ruler.json").exists()
+    assert "| xattention+quest | 1024 |" in (tmp_path / "out" / "sparse.md").read_text()
