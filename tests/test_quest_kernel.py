@@ -63,3 +63,26 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=1e-5)
     assert finite.sum() == sum(-(-n // block_size) for n in seq_lens) * num_kv_heads
+
+
+def test_request_dependent_scalars_compile_no_new_kernel_variant():
+    """Triton specialises integer arguments on == 1 and divisibility by 16; arguments whose values change
+    from step to step (table widths, split counts) must opt out, or a new value compiles a variant on the
+    request path. Checked on the compiled (not interpreted) kernels."""
+    import subprocess
+    import sys
+
+    code = """
+from nanovllm.kernels import triton_paged_attention as t, triton_quest as q
+wanted = {t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
+          t._prefill_kernel: {"stride_bt", "stride_bh"},
+          q._quest_scores_kernel: {"num_columns", "stride_tb"}}
+for kernel, names in wanted.items():
+    loose = {p.name for p in kernel.params if p.do_not_specialize}
+    assert names <= loose, (kernel.fn.__name__, names - loose)
+print("ok")
+"""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

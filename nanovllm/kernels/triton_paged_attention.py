@@ -136,7 +136,10 @@ def _merge_stored(out, lse, out_ptrs, lse_ptrs, row_mask):
     return merged, merged_lse
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])
+# Scalar arguments that change from step to step (table widths, split counts) are not specialised on (== 1,
+# divisible by 16): a new value must not compile a new variant on the request path. The host-pool offsets
+# stay specialised: fixed for the engine's life (multiples of a block), they keep KV loads vectorised.
+@triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh", "stride_bt", "stride_bh"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, seq_ids_ptr, qk_scale,
     num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
@@ -245,7 +248,7 @@ def _merge_splits_kernel(
     tl.store(lse_dst, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lt", "stride_lh", "stride_bt", "stride_bh"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, schedule_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,

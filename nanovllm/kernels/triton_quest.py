@@ -23,7 +23,7 @@ BLOCKS_PER_PROGRAM = 8
 NO_SECOND_POOL = 1 << 62  # a base no table entry reaches
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_columns", "stride_tb"])  # table widths vary by step; offsets do not
 def _quest_scores_kernel(
     q_ptr, lo_ptr, hi_ptr, tables_ptr, seq_lens_ptr, out_ptr, lo_delta, hi_delta, base, num_columns,
     stride_qb, stride_qh, stride_page, stride_ph, stride_tb, stride_ob, stride_oh,
