@@ -139,7 +139,8 @@ def test_decode_steps_a_sparse_policy_leaves_dense_are_planned_into_the_graphs(t
     assert decode_plans and all((p.graph_batch == 2) == graphs for p in decode_plans)
     assert all(p.graph_batch is None for p in plans if max(p.query_lens) > 1)
     layers, heads = llm.runner.kv_shape[0], llm.runner.kv_shape[2]
-    stats = llm.runner.worker._graph_stats(decode_plans[0])  # what a graph step reports: every block read
+    worker = llm.runner.worker
+    stats = worker.work.fixed(decode_plans[0], worker.selector.dense)  # what a graph step reports: every block read
     assert [s.decode for s in stats.values()] == [(-(-n // BS) * layers * heads,) * 2 for n in decode_plans[0].seq_lens]
 
 

@@ -19,7 +19,8 @@ from nanovllm.distributed.executor import TensorParallelGroup
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlanner
-from nanovllm.engine.worker import SeqStepStats, Worker
+from nanovllm.engine.step_stats import SeqStepStats
+from nanovllm.engine.worker import Worker
 from nanovllm.layers.block_selector import BlockSelector
 
 

@@ -7,7 +7,7 @@ samples. It never schedules: everything it needs arrives in the plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from nanovllm.engine.offload import offload_kv_access
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
 from nanovllm.engine.step_plan import StepPlan, WorkerLimits
+from nanovllm.engine.step_stats import SeqStepStats, StepWork
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
 from nanovllm.layers.block_selector import BlockSelector, SparseStats
 from nanovllm.layers.fused_ops import get_layer_ops
@@ -30,16 +31,6 @@ from nanovllm.layers.kv_access import DeviceKV, KVAccess
 from nanovllm.layers.sampler import logprob_entries, sample, sample_on_device
 from nanovllm.layers.sparse_policies import build_sparse_policy
 from nanovllm.models.loader import build_model
-
-
-@dataclass
-class SeqStepStats:
-    """One sequence's attention work in a step (layers and KV heads summed): (attended, visible) block
-    pairs of prefill rows and (read, present) KV blocks of decode rows, and host KV bytes copied for it."""
-
-    prefill: tuple[int, int] = (0, 0)
-    decode: tuple[int, int] = (0, 0)
-    host_kv_bytes: int = 0
 
 
 @dataclass
@@ -80,6 +71,7 @@ class Worker:
         self.selector: BlockSelector = build_sparse_policy(config, self.kv_cache, self.host_pool)
         self.narrowed = NarrowedDecode(self.selector, self.kv_cache, self.backend, self.host_pool, self.block_size,
                                        config.max_num_seqs)
+        self.work = StepWork(self.block_size, self.kv_shape[0], self.kv_shape[2], self.host_pool)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -205,14 +197,14 @@ class Worker:
         if plan.offloads:
             self.kv_cache.moved_to_host(plan.offloads)
         if plan.narrowed:
-            return self._narrowed_logits(plan), {}, self._narrowed_stats(plan)
+            return self._narrowed_logits(plan), {}, self.work.narrowed(plan, self.narrowed.read_counts(len(plan.seq_ids)))
         if plan.graph_batch is not None:
             tables, mode = plan.block_tables, "plain"
             if plan.staged_copies is not None:
                 self.staged.set_step(plan.staged_copies, plan.offloads)
                 tables, mode = ring_tables(plan.block_tables, plan.on_host), "staged" if plan.staged_copies else "plain"
             logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, mode)
-            return logits, {}, self._graph_stats(plan)
+            return logits, {}, self.work.fixed(plan, self.selector.dense)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         sparse = None if self.selector.dense else SparseStats(len(plan.seq_lens))
         kv = self._kv_access(plan, sparse)
@@ -222,9 +214,9 @@ class Worker:
         if sparse is not None and (in_place := sparse.resolve()):
             self.host_pool.stats.h2d_bytes += in_place  # host KV the decode kernel read where it lies
         if sparse is None or plan.staged_copies is not None:  # a staged step is dense: every host block copied
-            stats = self._graph_stats(plan)
+            stats = self.work.fixed(plan, self.selector.dense)
         else:
-            stats = self._sparse_stats(plan, sparse)
+            stats = self.work.sparse(plan, sparse)
         if not plan.sample_rows:
             return None, prompt_logprobs, stats
         return self.model.compute_logits(hidden[as_tensor(plan.sample_rows)]), prompt_logprobs, stats
@@ -242,43 +234,6 @@ class Worker:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
         return self.model.compute_logits(self.model(ids, as_tensor(plan.positions), self.narrowed.kv(meta)))
-
-    def _narrowed_stats(self, plan: StepPlan) -> dict[int, SeqStepStats]:
-        """From the step's counts: blocks read of those present, and host bytes read in place."""
-        layers, heads = self.kv_shape[0], self.kv_shape[2]
-        head_bytes = self.host_pool.block_bytes_per_layer // heads if self.host_pool else 0
-        stats = {}
-        for seq_id, n, (read, host) in zip(plan.seq_ids, plan.seq_lens, self.narrowed.read_counts(len(plan.seq_ids))):
-            stats[seq_id] = SeqStepStats(decode=(read, -(-n // self.block_size) * layers * heads),
-                                         host_kv_bytes=host * head_bytes)
-        if self.host_pool:
-            self.host_pool.stats.h2d_bytes += sum(s.host_kv_bytes for s in stats.values())
-        return stats
-
-    def _dense_stats(self, plan: StepPlan) -> dict[int, SeqStepStats]:
-        """Every layer reads every host block of the step once."""
-        if not plan.has_host_blocks:
-            return {}
-        per_block = self.host_pool.block_bytes_per_layer * self.kv_shape[0]
-        return {seq_id: SeqStepStats(host_kv_bytes=sum(flags) * per_block)
-                for seq_id, flags in zip(plan.seq_ids, plan.on_host) if any(flags)}
-
-    def _graph_stats(self, plan: StepPlan) -> dict[int, SeqStepStats]:
-        """A dense decode step with fixed plans (graphs, staged copies), or any step of a dense selector;
-        under a sparse policy such a decode step counts as reading every block (density 1)."""
-        stats = self._dense_stats(plan)
-        if self.selector.dense or max(plan.query_lens) > 1:
-            return stats
-        layers, heads = self.kv_shape[0], self.kv_shape[2]
-        for seq_id, n in zip(plan.seq_ids, plan.seq_lens):
-            blocks = -(-n // self.block_size) * layers * heads
-            stats[seq_id] = replace(stats.get(seq_id, SeqStepStats()), decode=(blocks, blocks))
-        return stats
-
-    @staticmethod
-    def _sparse_stats(plan: StepPlan, sparse: SparseStats) -> dict[int, SeqStepStats]:
-        return {seq_id: SeqStepStats(tuple(p), tuple(d), b)
-                for seq_id, p, d, b in zip(plan.seq_ids, sparse.prefill, sparse.decode, sparse.host_bytes)}
 
     def _kv_access(self, plan: StepPlan, stats: SparseStats | None) -> KVAccess:
         def meta(tables: list[list[int]]) -> AttentionMetadata:

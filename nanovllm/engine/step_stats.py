@@ -1,0 +1,62 @@
+"""The attention work of one step, per sequence, as each kind of step measures it: for the request
+metrics (prefill and decode density, host KV bytes read)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from nanovllm.engine.offload.host_pool import HostKVPool
+from nanovllm.engine.step_plan import StepPlan
+from nanovllm.layers.block_selector import SparseStats
+
+
+@dataclass
+class SeqStepStats:
+    """One sequence's attention work in a step (layers and KV heads summed): (attended, visible) block
+    pairs of prefill rows and (read, present) KV blocks of decode rows, and host KV bytes copied for it."""
+
+    prefill: tuple[int, int] = (0, 0)
+    decode: tuple[int, int] = (0, 0)
+    host_kv_bytes: int = 0
+
+
+class StepWork:
+    def __init__(self, block_size: int, num_layers: int, num_kv_heads: int, host_pool: HostKVPool | None):
+        self.block_size, self.num_layers, self.num_kv_heads, self.host_pool = block_size, num_layers, num_kv_heads, host_pool
+
+    def _blocks(self, seq_len: int) -> int:
+        """KV blocks present for a sequence of seq_len tokens, over every layer and KV head."""
+        return -(-seq_len // self.block_size) * self.num_layers * self.num_kv_heads
+
+    def dense(self, plan: StepPlan) -> dict[int, SeqStepStats]:
+        """Every layer reads every host block of the step once."""
+        if not plan.has_host_blocks:
+            return {}
+        per_block = self.host_pool.block_bytes_per_layer * self.num_layers
+        return {seq_id: SeqStepStats(host_kv_bytes=sum(flags) * per_block)
+                for seq_id, flags in zip(plan.seq_ids, plan.on_host) if any(flags)}
+
+    def fixed(self, plan: StepPlan, dense_selector: bool) -> dict[int, SeqStepStats]:
+        """A dense decode step with fixed plans (graphs, staged copies), or any step of a dense selector;
+        under a sparse policy such a decode step counts as reading every block (density 1)."""
+        stats = self.dense(plan)
+        if dense_selector or max(plan.query_lens) > 1:
+            return stats
+        for seq_id, n in zip(plan.seq_ids, plan.seq_lens):
+            stats[seq_id] = replace(stats.get(seq_id, SeqStepStats()), decode=(self._blocks(n),) * 2)
+        return stats
+
+    @staticmethod
+    def sparse(plan: StepPlan, sparse: SparseStats) -> dict[int, SeqStepStats]:
+        """What a sparse selection counted, layer by layer."""
+        return {seq_id: SeqStepStats(tuple(p), tuple(d), b)
+                for seq_id, p, d, b in zip(plan.seq_ids, sparse.prefill, sparse.decode, sparse.host_bytes)}
+
+    def narrowed(self, plan: StepPlan, counts: list[tuple[int, int]]) -> dict[int, SeqStepStats]:
+        """A narrowed decode step (engine/narrowed.py) from its counts per row (blocks read, host blocks
+        read in place); the host bytes are added to the pool's transfer counts too."""
+        head_bytes = self.host_pool.block_bytes_per_layer // self.num_kv_heads if self.host_pool else 0
+        stats = {seq_id: SeqStepStats(decode=(read, self._blocks(n)), host_kv_bytes=host * head_bytes)
+                 for seq_id, n, (read, host) in zip(plan.seq_ids, plan.seq_lens, counts)}
+        if self.host_pool:
+            self.host_pool.stats.h2d_bytes += sum(s.host_kv_bytes for s in stats.values())
+        return stats
