@@ -20,7 +20,6 @@ A step that raises fails only its batch: the requests holding KV or a token in f
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -33,10 +32,11 @@ from nanovllm.distributed.executor import TensorParallelError
 from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.model_files import eos_token_ids, generation_defaults, load_tokenizer
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
+from nanovllm.engine.request_state import RequestState, SampleState, sample_params
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.models.hub import resolve_model
-from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,31 +61,6 @@ class StepFailed(RuntimeError):
         self.request_ids = request_ids
 
 
-@dataclass
-class _Sample:
-    index: int  # CompletionOutput.index
-    seq: Sequence
-    text: OutputText | None  # None: no tokenizer, or the caller detokenizes (the server does, in its own thread)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    samples: list[_Sample]
-    prompt: str | None
-    prompt_token_ids: list[int]  # one list shared by every output of the request
-    stop_token_ids: frozenset[int]
-    unqueued: list[Sequence]  # samples 1..n-1 until the first one has computed the prompt
-
-    @property
-    def seq(self) -> Sequence:
-        return self.samples[0].seq
-
-    @property
-    def finished(self) -> bool:
-        return all(sample.seq.is_finished for sample in self.samples)
-
-
 class LLMEngine:
     def __init__(self, model: str | None = None, **options):
         if model is None:
@@ -102,8 +77,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
         self._log_kv_pool()
-        self.requests: dict[str, _Request] = {}
-        self._by_seq_id: dict[int, tuple[_Request, _Sample]] = {}
+        self.requests: dict[str, RequestState] = {}
+        self._by_seq_id: dict[int, tuple[RequestState, SampleState]] = {}
         self._ids = itertools.count()
         self._pending: tuple[PendingTokens, list[int]] | None = None  # async: launched tokens, their indices
         self.generation_defaults = generation_defaults(model_dir) if self.config.generation_config == "auto" else {}
@@ -187,16 +162,16 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text = prompt if isinstance(prompt, str) else None
-        req = _Request(request_id, [], prompt_text, list(token_ids), frozenset(params.stop_token_ids), [])
+        req = RequestState(request_id, [], prompt_text, list(token_ids), frozenset(params.stop_token_ids), [])
         vocab = self.config.hf_config["vocab_size"]
         stop_ids = sorted(t for t in self.eos_token_ids | req.stop_token_ids if t < vocab)
         for index in range(params.n):
             first = req.samples[0].seq if req.samples else None
-            seq = Sequence(token_ids, _sample_params(params, index), self.config.kvcache_block_size, prompt_text, first)
+            seq = Sequence(token_ids, sample_params(params, index), self.config.kvcache_block_size, prompt_text, first)
             seq.min_tokens_stop_ids = stop_ids
             text = OutputText.for_params(self.tokenizer, token_ids, params) \
                 if self.tokenizer is not None and detokenize else None
-            req.samples.append(_Sample(index, seq, text))
+            req.samples.append(SampleState(index, seq, text))
             self._by_seq_id[seq.seq_id] = (req, req.samples[-1])
         req.unqueued = [sample.seq for sample in req.samples[1:]]
         self.requests[request_id] = req
@@ -306,7 +281,7 @@ class LLMEngine:
             self._after_token(*found, token, None, final_only, outputs, num_tokens=index + 1)
         return outputs
 
-    def _after_token(self, req: _Request, sample: _Sample, token: int, logprobs: dict[int, float] | None,
+    def _after_token(self, req: RequestState, sample: SampleState, token: int, logprobs: dict[int, float] | None,
                      final_only: bool, outputs: list[RequestOutput], num_tokens: int | None = None) -> None:
         """Bookkeeping of a token that is in place at position num_tokens - 1 (default: the last)."""
         seq = sample.seq
@@ -317,61 +292,17 @@ class LLMEngine:
         if req.unqueued and sample.index == 0:  # the prompt's KV is computed: the other samples can share it
             self.scheduler.add_forks(req.unqueued)
             req.unqueued = []
-        reason = self._stop_reason(req, sample, token, num_tokens or len(seq))
+        reason = req.stop_reason(sample, token, num_tokens or len(seq), self.eos_token_ids, self.config.max_model_len)
         if reason:
             del seq.token_ids[num_tokens or len(seq):]  # a placeholder launched after it (async)
             self.scheduler.finish(seq, reason)
         if not final_only or req.finished:
-            outputs.append(self._output(req))
+            outputs.append(req.output())
         if seq.is_finished:
             del self._by_seq_id[seq.seq_id]
             self.runner.release(seq)
         if req.finished:
             del self.requests[req.request_id]
-
-    def _stop_reason(self, req: _Request, sample: _Sample, token: int, num_tokens: int) -> str | None:
-        params, num_output = sample.seq.params, num_tokens - sample.seq.num_prompt_tokens
-        if num_output > params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in req.stop_token_ids:
-                return "stop"
-        if params.stop and sample.text is not None and sample.text.match_stop():
-            return "stop"
-        if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        metrics = RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
-                                 seq.finish_time, seq.num_cached_tokens, seq.num_preemptions,
-                                 seq.density(seq.prefill_blocks), seq.density(seq.decode_blocks), seq.host_kv_bytes_read)
-        prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                             [_completion(sample) for sample in req.samples], req.finished, metrics, prompt_logprobs)
-
-
-def _completion(sample: _Sample) -> CompletionOutput:
-    seq = sample.seq
-    text = ""
-    if sample.text is not None:
-        text = sample.text.final(seq.output_token_ids) if seq.is_finished else sample.text.text
-    token_ids = seq.output_token_ids
-    if token_ids and token_ids[-1] == PLACEHOLDER:  # the next token, launched but not yet here (async)
-        token_ids.pop()
-    return CompletionOutput(sample.index, text, token_ids, seq.finish_reason,
-                            list(seq.logprobs) if seq.params.logprobs is not None else None)
-
-
-def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample index's own params: n=1, seed + index, prompt logprobs only on the first."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else (params.seed + index) % 2**63
-    return dataclasses.replace(params, n=1, best_of=None, seed=seed,
-                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
-
 
 def _runs_synchronously(params: SamplingParams) -> bool:
     """Logits go back to the host (logprobs), or sampling needs the tokens still in flight (penalties)."""
