@@ -34,6 +34,7 @@ class NarrowedDecode:
         self.block_size = block_size
         self.counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=cache.data.device)
         self.captured_with: BlockSelector | None = None  # the selector the narrowed graphs were captured with
+        self.captured_blocks = 0  # and the blocks per head it kept then
 
     @property
     def enabled(self) -> bool:
