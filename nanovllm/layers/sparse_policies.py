@@ -81,8 +81,7 @@ class QuestSelector(BlockSelector):
         keep = self._top_blocks(layer, q, num_kv_heads, layout, budget)
         rows_sparse = torch.tensor(sparse, device=keep.device)[:, None, None]
         keep = torch.where(rows_sparse, keep, layout.valid[:, None, :])
-        widest = max(budget + self.sink_blocks + self.recent_blocks if s else batch.num_blocks(i)
-                     for i, s in enumerate(sparse))
+        widest = max(self.narrowed_blocks(batch.block_size) if s else batch.num_blocks(i) for i, s in enumerate(sparse))
         return keep, widest
 
     def narrowed_decode(self, block_size: int, seq_lens: list[int]) -> bool:
