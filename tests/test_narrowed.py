@@ -58,6 +58,8 @@ def test_narrow_from_graph_tensors_equals_the_per_step_device_selection():
     assert torch.equal(got_tables, want_tables) and torch.equal(got_lengths, want_lengths)
     assert selector.narrow(0, q, num_kv_heads, graph) is not None
     assert QuestSelector(bounds, 3 * bs, dense_layers=1, min_context=0).narrow(0, q, num_kv_heads, graph) is None
+    wide = QuestSelector(bounds, token_budget=4 * width * bs, dense_layers=0, min_context=0)  # a capture's tables
+    assert torch.equal(wide.narrow(0, q, num_kv_heads, graph), graph.valid[:, None, :].expand(-1, num_kv_heads, -1))
 
 
 def test_planner_narrows_only_steps_whose_every_row_is_narrowed():
@@ -140,3 +142,28 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
     selector.token_budget = 4 * BS
     assert not narrowed.captured(selector, 1, Graphs)
     assert not narrowed.captured(QuestSelector(selector.bounds, 2 * BS, 0, 0), 1, Graphs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_narrowed_decode_graphs_equal_eager_quest_on_cuda(tiny_llama, offload):
+    """The narrowed steps replayed from CUDA graphs (fp32) equal an eager engine's per-layer selection."""
+    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
+        dict(num_gpu_blocks=64)
+    options = dict(kvcache_block_size=BS, device="cuda", dtype="float32", sparse_policy="quest",
+                   sparse_min_context=0, quest_token_budget=2 * BS, quest_dense_layers=1, max_num_batched_tokens=64,
+                   **memory)
+    prompts = [[(7 * i) % 250 + 3 for i in range(150)], [(5 * i) % 250 + 3 for i in range(97)]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 6)]
+    want = LLM(str(tiny_llama), enforce_eager=True, **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **options)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.runner.worker.graphs.num_narrowed_replays > 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+        assert g.metrics.decode_density == pytest.approx(w.metrics.decode_density) and g.metrics.decode_density < 1
+        assert g.metrics.host_kv_bytes_read == w.metrics.host_kv_bytes_read
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks

@@ -109,6 +109,7 @@ class QuestSelector(BlockSelector):
         column = torch.arange(scores.shape[-1], device=scores.device)
         num_blocks = layout.valid.sum(1, keepdim=True)  # [B, 1]
         middle = (column >= self.sink_blocks) & (column < num_blocks - self.recent_blocks)  # [B, blocks]
+        budget = min(budget, scores.shape[-1])  # a graph captured with tables narrower than the budget
         top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1).indices
         keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
         keep |= (~middle & layout.valid)[:, None, :]  # the sink and the most recent blocks
