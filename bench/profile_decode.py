@@ -1,5 +1,5 @@
 """Where a decode step's time goes: torch.profiler over eager decode steps, kernels grouped by kind,
-and the CUDA-graph step time beside the HBM floor of the same step.
+and the CUDA-graph step time beside the HBM floor of the same step, with the kernels its graphs replay.
 
     PYTHONPATH=. python3 bench/profile_decode.py [--config bench/configs/llama-3.1-8b] [--batch 1] [--context 1024]
         [--sparse-policy quest --quest-token-budget 2048]
@@ -57,10 +57,11 @@ def main() -> None:
                   enforce_eager=eager, gpu_memory_utilization=0.9 if sparse else 0.5, **sparse)
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
         results["eager_ms" if eager else "graph_ms"] = step_time_ms(llm, prompts, args.steps)
-        if eager:
-            activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if sparse else [])
-            with profile(activities=activities) as prof:
-                step_time_ms(llm, prompts, args.steps)
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if sparse and eager else [])
+        with profile(activities=activities) as prof:
+            step_time_ms(llm, prompts, args.steps)
+        if not eager:  # the kernels replayed inside the graphs
+            graph_table = prof.key_averages().table(sort_by="device_time_total", row_limit=15)
         weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
         del llm
         gc.collect()  # the engine's reference cycles hold its memory until collected
@@ -78,6 +79,7 @@ def main() -> None:
     for kind, ms in results["kernel_ms_per_step"].items():
         log(f"  {kind:24s} {ms:6.2f} ms/step")
     log(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
+    log("kernels of the CUDA-graph steps:\n" + graph_table)
     if sparse:
         log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     save_results("profile_decode", results)

@@ -22,7 +22,10 @@ BASE = 1 << 40
 
 @pytest.mark.parametrize("block_size, num_kv_heads, group, host", [(16, 2, 3, False), (32, 2, 2, True),
                                                                     (64, 1, 4, True), (32, 4, 1, False)])
-def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host):
+@pytest.mark.parametrize("launch", [dict(), dict(blocks_per_program=1, num_warps=2, use_dot=False),
+                                    dict(blocks_per_program=4, use_dot=True, num_warps=4), dict(blocks_per_program=8, use_dot=True, num_warps=4)],
+                         ids=["default", "1-block-sum", "4-block-dot", "8-block-dot"])
+def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host, launch):
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import quest_block_scores
 
@@ -58,7 +61,7 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
     to = lambda t: t.to(DEVICE)  # noqa: E731
     got = quest_block_scores(to(q), to(bounds.min[0]), to(bounds.max[0]), to(bounds.host_min[0]),
                              to(bounds.host_max[0]), to(layout.ids), to(layout.seq_lens), block_size, 16,
-                             layout.base).cpu()
+                             layout.base, **launch).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=1e-5)

@@ -1,0 +1,64 @@
+"""Sweep the Quest block-score kernel's launch options on Llama-3.1-8B decode shapes (32 query heads,
+8 KV heads, head_dim 128, 256-token blocks of 16-token pages, bf16 bounds); print the bounds' bytes
+read per call over the kernel time as a fraction of the measured HBM copy bandwidth.
+
+    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from common import cuda_ms, log, measure_hbm_bandwidth, require_cuda, save_results
+from nanovllm.kernels import triton_quest
+
+HEADS, KV_HEADS, DIM, BLOCK, PAGE = 32, 8, 128, 256, 16
+
+
+def inputs(batch: int, context: int) -> tuple:
+    blocks = -(-context // BLOCK)
+    pages = batch * blocks * (BLOCK // PAGE)
+    lo = torch.randn(pages, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    hi = lo + torch.rand_like(lo)
+    tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    empty = lo[:0]
+    return (q, lo, hi, empty, empty, tables, seq_lens, BLOCK, PAGE, None), 2 * lo.numel() * lo.element_size()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    args = ap.parse_args()
+    require_cuda()
+    bandwidth = measure_hbm_bandwidth()
+    results = []
+    for batch, context in itertools.product(args.batches, args.contexts):
+        call, nbytes = inputs(batch, context)
+        want = triton_quest.quest_block_scores(*call)
+        rows = []
+        for blocks, warps, dot in itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [True, False]):
+            launch = dict(blocks_per_program=blocks, num_warps=warps, use_dot=dot)
+            got = triton_quest.quest_block_scores(*call, **launch)
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
+            ms = cuda_ms(lambda: triton_quest.quest_block_scores(*call, **launch))
+            rows.append(dict(launch=launch, ms=ms, hbm_fraction=nbytes / (ms / 1e3) / bandwidth))
+        rows.sort(key=lambda r: r["ms"])
+        default = next(r for r in rows if r["launch"] == dict(blocks_per_program=triton_quest.BLOCKS_PER_PROGRAM,
+                                                                num_warps=triton_quest.NUM_WARPS,
+                                                                use_dot=triton_quest.USE_DOT))
+        log(f"batch {batch} x {context}: bounds {nbytes / 1e6:.0f} MB; default {default['ms'] * 1e3:.0f} us "
+            f"({default['hbm_fraction']:.2f} of HBM)")
+        for r in rows[:4]:
+            log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
+                f"{default['ms'] / r['ms']:.2f}x the default")
+        results.append(dict(batch=batch, context=context, bytes=nbytes, rows=rows))
+    save_results("tune_quest", results)
+
+
+if __name__ == "__main__":
+    main()
