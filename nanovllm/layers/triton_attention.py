@@ -5,19 +5,15 @@ metadata tensors (cu_query_lens, seq_lens_tensor, block_tables_tensor) and picks
 splits from their shapes, so it can be captured in a CUDA graph. Other steps (prefill, chunked
 prefill) use the varlen prefill kernel, whose work schedule is built on the host from meta.query_lens;
 in a mixed batch the one-token sequences go to the decode kernel, the others to the prefill kernel,
-both writing into the same output. Steps whose every sequence prefills a long chunk in half precision
-go to cuDNN's fused attention instead (kernels/cudnn_prefill.py; NANOVLLM_CUDNN_PREFILL=0 turns it off).
-This module imports without Triton; creating the backend needs it.
+both writing into the same output. This module imports without Triton; creating the backend needs it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.kernels import cudnn_prefill
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, register_attention_backend
 
 if TYPE_CHECKING:
@@ -44,8 +40,6 @@ class TritonPagedAttention(AttentionBackend):
         except ImportError as e:
             raise RuntimeError("the 'triton' attention backend needs the triton package") from e
         self.ops = triton_paged_attention
-        self.cudnn_prefill = (os.environ.get("NANOVLLM_CUDNN_PREFILL", "1") != "0" and torch.backends.cudnn.is_available()
-                              and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
 
     def forward(self, q, k_cache, v_cache, meta, scale, host_kv=None):
         if host_kv is None:
@@ -68,9 +62,6 @@ class TritonPagedAttention(AttentionBackend):
         tensors = (q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor, meta.block_tables_tensor, scale)
         if is_decode_step(q, meta):
             return self.ops.paged_decode_attention(*tensors, out=out)
-        if self.cudnn_prefill and cudnn_prefill.usable(q, meta.query_lens, meta.block_tables_tensor):
-            return cudnn_prefill.gathered_prefill_attention(q, k_cache, v_cache, meta.query_lens, meta.seq_lens,
-                                                            meta.block_tables_tensor, scale, out=out)
         plan = self._plan(q, k_cache, meta)
         out = self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config, out=out)
         if plan.decode_ids is not None:
