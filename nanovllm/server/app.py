@@ -229,8 +229,8 @@ class OpenAIServer:
             try:
                 async for index, out in _merged(streams):
                     finals[index] = out
-                    delta, finish, logprobs = choices.delta(index, out)
-                    if delta or finish or logprobs:
+                    delta, finish, logprobs, new_tokens = choices.delta(index, out)
+                    if delta or finish or logprobs or new_tokens:
                         yield _event(r.chunk(rid, model, created, chat, index, delta, finish, logprobs))
             except (RequestFailed, EngineUnavailable) as e:  # as vLLM: an error event, then the end of the stream
                 yield _event(_stream_error(e).body())

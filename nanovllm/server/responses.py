@@ -169,8 +169,10 @@ class Choices:
         entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         return self.prompts[i].text, list(out.prompt_token_ids), list(entries)
 
-    def delta(self, i: int, out: RequestOutput) -> tuple[str, str | None, dict | None]:
-        """What choice i adds to the stream with this output: text, finish reason, logprobs of the new tokens."""
+    def delta(self, i: int, out: RequestOutput) -> tuple[str, str | None, dict | None, int]:
+        """What choice i adds to the stream with this output: text, finish reason, logprobs of the new tokens,
+        and their number (a chunk goes out for new tokens even when their text is held back or empty, as
+        in vLLM: a model without a tokenizer streams empty texts, one chunk per step)."""
         completion = out.outputs[0]
         text = completion.text if out.finished else completion.text[: max(0, len(completion.text) - self.hold)]
         delta = text[len(self.sent_text[i]):] if text.startswith(self.sent_text[i]) else ""
@@ -187,4 +189,4 @@ class Choices:
             else:
                 logprobs = completion_logprobs(echo_ids + ids, echo_entries + entries, self.text_of, self.offsets[i])
                 self.offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        return echo_text + delta, completion.finish_reason if out.finished else None, logprobs
+        return echo_text + delta, completion.finish_reason if out.finished else None, logprobs, len(ids)
