@@ -304,10 +304,16 @@ async def _until_finished_or_disconnect(streams: list[RequestStream], request: R
     return done_task.result()
 
 
+# The engine thread drops the GIL at every device sync and must get it back at once; with a busy event loop
+# holding it, each such hand-back waits out the interpreter's switch interval (5 ms by default).
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(llm: LLM, host: str, port: int, options: ServerOptions = ServerOptions(), log_level: str = "info",
           shutdown_timeout: float | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain the requests in flight. Exits with status 1 if the
     engine broke."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = OpenAIServer(llm, options)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
