@@ -8,9 +8,11 @@ throughput no arrival rate can exceed. JSON and a PNG chart go to $OUT (or bench
     PYTHONPATH=$PWD python3 bench/serving.py [--model bench/configs/qwen3-0.6b --load-format dummy]
         [--request-rates 8,32,128,inf --num-prompts 300 --input-len 256 --output-len 128]
 
-The server needs starlette, uvicorn and httpx (pure-Python wheels). Without network access, carry the
-wheels in .whl/ (`pip download --no-deps --only-binary=:all: -d .whl ...`, see README) and this script
-installs them with `pip install --no-index --find-links .whl --target .whl/site` before it starts.
+The server needs the `serve` extra (starlette, uvicorn, httpx, pydantic, prometheus_client; all pure Python
+but pydantic_core). Without network access, carry the wheels in .whl/ (`pip download --no-deps
+--only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl ...`, the target
+machine's Python for pydantic_core) and this script installs them with `pip install --no-index
+--find-links .whl --target .whl/site` before it starts.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ WHEELS = ROOT / ".whl"
 SITE = WHEELS / "site"
 NEEDED = {"starlette": "starlette==0.52.1", "uvicorn": "uvicorn==0.40.0", "httpx": "httpx==0.28.1",
           "httpcore": "httpcore==1.0.9", "h11": "h11==0.16.0", "anyio": "anyio", "click": "click", "idna": "idna",
-          "certifi": "certifi", "typing_extensions": "typing_extensions",
+          "certifi": "certifi", "typing_extensions": "typing_extensions", "pydantic": "pydantic==2.14.4",
+          "pydantic_core": "pydantic_core==2.50.5", "annotated_types": "annotated_types",
+          "typing_inspection": "typing_inspection", "prometheus_client": "prometheus_client==0.26.0",
           **({"exceptiongroup": "exceptiongroup"} if sys.version_info < (3, 11) else {})}
 
 
@@ -46,7 +50,8 @@ def ensure_server_packages() -> None:
         sys.exit(f"missing Python packages: {', '.join(missing)}. Install them with\n"
                  f"    pip install {' '.join(NEEDED[m] for m in missing)}\n"
                  f"or, offline, carry wheels made elsewhere with\n"
-                 f"    pip download --no-deps --only-binary=:all: -d .whl {' '.join(NEEDED.values())}")
+                 f"    pip download --no-deps --only-binary=:all: --python-version X.Y --platform manylinux2014_x86_64 "
+                 f"-d .whl {' '.join(NEEDED.values())}")
     # all of NEEDED, not only the missing ones, so that versions match (anyio needs a recent typing_extensions)
     print(f"missing {', '.join(missing)}: installing {', '.join(NEEDED)} from {WHEELS} into {SITE}", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
