@@ -9,6 +9,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 SPARSE_POLICIES = ("full", "xattention", "quest", "xattention+quest")
+XATTN_COVERS = ("group", "head")
 _DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "vllm")
 NOT_OPTIONS = ("model", "model_path", "hf_config")
@@ -40,6 +41,7 @@ class EngineConfig:
     xattn_threshold: float = 0.9  # XAttention keeps, per KV head, the fewest blocks covering this estimated mass
     xattn_stride: int = 16  # antidiagonal stride of XAttention's estimate
     xattn_block_size: int = 128  # XAttention's query/key block in tokens
+    xattn_cover: str = "group"  # "group": a KV-head group's summed mass covers the threshold; "head": each query head's
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
@@ -124,6 +126,8 @@ class EngineConfig:
         if not isinstance(self.xattn_threshold, (int, float)) or isinstance(self.xattn_threshold, bool) \
                 or not 0.0 < self.xattn_threshold <= 1.0:
             raise ValueError(f"xattn_threshold must be in (0, 1], got {self.xattn_threshold!r}")
+        if self.xattn_cover not in XATTN_COVERS:
+            raise ValueError(f"xattn_cover must be one of {XATTN_COVERS}, got {self.xattn_cover!r}")
         _positive_int("xattn_block_size", self.xattn_block_size)
         _positive_int("xattn_stride", self.xattn_stride)
         if self.xattn_block_size % 16:

@@ -24,6 +24,7 @@ BS = 16
     ("xattn_stride", 48, "xattn_stride=48 must divide xattn_block_size=128"),
     ("xattn_block_size", 24, "xattn_block_size must be a multiple of 16"),
     ("xattn_block_size", 96, "must divide one another"),
+    ("xattn_cover", "kv", r"xattn_cover must be one of \('group', 'head'\)"),
     ("quest_token_budget", 0, "quest_token_budget must be a positive integer"),
     ("quest_dense_layers", -1, "quest_dense_layers must be an integer >= 0"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
@@ -233,9 +234,10 @@ def test_quest_dense_layers_read_their_host_kv_from_the_device_mirror(tiny_llama
     assert used.abs().sum() > 0 and torch.equal(pool.mirror[:, :, :5], used)
 
 
-def brute_force_xattention(q, keys, stride, granule, threshold) -> torch.Tensor:
+def brute_force_xattention(q, keys, stride, granule, threshold, cover: str = "group") -> torch.Tensor:
     """The definition, with loops: [Hk, query granules, key granules] kept, for the query granules from
-    the one holding the first query. q [n_q, Hq, D] are the last n_q of len(keys) positions."""
+    the one holding the first query. q [n_q, Hq, D] are the last n_q of len(keys) positions. cover "group":
+    a KV head's query heads' summed mass covers the threshold; "head": each query head's, then the union."""
     import math
 
     n_q, num_heads, dim = q.shape
@@ -244,7 +246,9 @@ def brute_force_xattention(q, keys, stride, granule, threshold) -> torch.Tensor:
     row = {start + j: q[j].double() for j in range(n_q)}
     first_tile, key_tiles = start // stride, -(-seq_len // stride)
     first_granule = first_tile * stride // granule
-    mass = torch.zeros(num_kv_heads, (key_tiles * stride - 1) // granule - first_granule + 1,
+    owner = (lambda h: h) if cover == "head" else (lambda h: h // group)  # whose mass a query head adds to
+    mass = torch.zeros(num_heads if cover == "head" else num_kv_heads,
+                       (key_tiles * stride - 1) // granule - first_granule + 1,
                        (key_tiles * stride - 1) // granule + 1, dtype=torch.float64)
     for t in range(first_tile, key_tiles):
         for h in range(num_heads):
@@ -258,9 +262,9 @@ def brute_force_xattention(q, keys, stride, granule, threshold) -> torch.Tensor:
                 scores.append(total / (math.sqrt(dim) * stride))
             probs = torch.tensor(scores, dtype=torch.float64).softmax(0)
             for u, p in enumerate(probs):
-                mass[h // group, t * stride // granule - first_granule, u * stride // granule] += p
+                mass[owner(h), t * stride // granule - first_granule, u * stride // granule] += p
     keep = torch.zeros(mass.shape, dtype=torch.bool)
-    for k in range(num_kv_heads):
+    for k in range(mass.shape[0]):
         for r in range(mass.shape[1]):
             share = mass[k, r] / mass[k, r].sum()
             covered = 0.0
@@ -270,20 +274,21 @@ def brute_force_xattention(q, keys, stride, granule, threshold) -> torch.Tensor:
                 keep[k, r, c] = True
                 covered += float(share[c])
             keep[k, r, 0] = keep[k, r, first_granule + r] = True
-    return keep
+    return keep.view(num_kv_heads, -1, *keep.shape[1:]).any(1)
 
 
+@pytest.mark.parametrize("cover", ["group", "head"])
 @pytest.mark.parametrize("seq_len, n_q, granule", [(96, 96, 16), (150, 37, 32), (200, 64, 64)])
-def test_xattention_selection_equals_brute_force(seq_len, n_q, granule):
+def test_xattention_selection_equals_brute_force(seq_len, n_q, granule, cover):
     """GQA 2:1, stride 4, a chunk whose first query is not tile-aligned (chunked prefill)."""
     from nanovllm.layers.sparse_policies import XAttentionSelector
 
     g = torch.Generator().manual_seed(seq_len)
     keys = torch.randn(seq_len, 2, 16, generator=g) * 2
     q = torch.randn(n_q, 4, 16, generator=g) * 2
-    selector = XAttentionSelector(None, None, threshold=0.8, stride=4, block_size=granule, min_context=0)
+    selector = XAttentionSelector(None, None, threshold=0.8, stride=4, block_size=granule, min_context=0, cover=cover)
     got = selector.sequence_selection(q, keys, kv_block=granule)
-    want = brute_force_xattention(q, keys, 4, granule, 0.8)
+    want = brute_force_xattention(q, keys, 4, granule, 0.8, cover)
     first = (seq_len - n_q) // granule
     assert torch.equal(got, want[:, :, : got.shape[2]])
     assert got.shape[1] == -(-seq_len // granule) - first

@@ -154,10 +154,13 @@ class XAttentionSelector(BlockSelector):
     name = "xattention"
 
     def __init__(self, cache: PagedKVCache, host_pool, threshold: float, stride: int, block_size: int,
-                 min_context: int):
-        """host_pool: the offload pool (read_keys), or None."""
+                 min_context: int, cover: str = "group"):
+        """host_pool: the offload pool (read_keys), or None. cover "group": the summed mass of a KV head's
+        query heads covers the threshold; "head": each query head's own mass does, and the KV head keeps the
+        union of its query heads' blocks (a head attending elsewhere than its group keeps its blocks)."""
         self.cache, self.host_pool = cache, host_pool
         self.threshold, self.stride, self.block_size, self.min_context = threshold, stride, block_size, min_context
+        self.cover = cover
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return True  # a prefill policy: decode rows attend to every block
@@ -197,6 +200,8 @@ class XAttentionSelector(BlockSelector):
         granule = max(kv_block, self.block_size)
         blocks, first_granule = self.granule_mass(q, keys, granule)
         keep = self._fewest_covering(blocks)
+        if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
+            keep = keep.view(keys.shape[1], -1, *keep.shape[1:]).any(1)
         rows = torch.arange(keep.shape[1], device=keep.device)
         keep[:, rows, first_granule + rows] = True  # the diagonal
         keep[:, :, 0] = True  # the sink
@@ -207,21 +212,24 @@ class XAttentionSelector(BlockSelector):
 
     def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int,
                      chunk: int = ESTIMATE_CHUNK) -> tuple[torch.Tensor, int]:
-        """Estimated mass [Hk, query granules, key granules] (from the granule holding the first query) and
-        that granule's index. Queries go in chunks of whole granules, so that the scores of a chunk
-        ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles never straddle chunks."""
+        """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
+        holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
+        the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
+        never straddle chunks."""
         seq_len, num_kv_heads = keys.shape[:2]
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
-        out = torch.zeros(num_kv_heads, num_granules - first_granule, num_granules, device=q.device)
+        per_head = self.cover == "head"
+        rows = q.shape[1] if per_head else num_kv_heads
+        out = torch.zeros(rows, num_granules - first_granule, num_granules, device=q.device)
         step = max(granule, chunk // granule * granule)
         for lo in range(first_granule * granule, seq_len, step):
             hi = min(seq_len, lo + step)
-            rows = slice(max(lo, start) - start, hi - start)
-            mass, first_tile = antidiagonal_mass(q[rows], keys[:hi], self.stride)  # [Hk, T, U]
+            queries = slice(max(lo, start) - start, hi - start)
+            mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, per_head)  # [Hk or Hq, T, U]
             tiles_q = (first_tile + torch.arange(mass.shape[1], device=q.device)) * self.stride // granule
             tiles_k = torch.arange(mass.shape[2], device=q.device) * self.stride // granule
-            per_key = torch.zeros(num_kv_heads, mass.shape[1], num_granules, device=q.device)
+            per_key = torch.zeros(rows, mass.shape[1], num_granules, device=q.device)
             per_key.index_add_(2, tiles_k, mass.float())
             out.index_add_(1, tiles_q - first_granule, per_key)
         return out, first_granule
@@ -236,9 +244,11 @@ class XAttentionSelector(BlockSelector):
         return torch.zeros_like(share, dtype=torch.bool).scatter_(-1, order, (before < self.threshold) & (ordered > 0))
 
 
-def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int) -> tuple[torch.Tensor, int]:
+def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int,
+                      per_query_head: bool = False) -> tuple[torch.Tensor, int]:
     """Estimated attention mass per (query tile, key tile) of `stride` positions, summed over the query
-    heads of each KV head: [Hk, query tiles, key tiles], and the first query tile's index. A pair's score
+    heads of each KV head: [Hk, query tiles, key tiles] (per_query_head: [Hq, ...], not summed), and the
+    first query tile's index. A pair's score
     is the sum over its tile's antidiagonal of q.k (query row stride-1-j with key row j), scaled like one
     dot product; softmax per query tile and head over the causally visible key tiles."""
     n_q, num_heads, dim = q.shape
@@ -260,7 +270,7 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int) -> tuple
     visible = torch.arange(num_key_tiles, device=q.device)[None, :] <= \
         (first_tile + torch.arange(num_query_tiles, device=q.device))[:, None]
     probs = scores.float().masked_fill_(~visible, float("-inf")).softmax(-1)
-    return probs.sum(1), first_tile
+    return (probs.flatten(0, 1) if per_query_head else probs.sum(1)), first_tile
 
 
 class PrefillDecodeSelector(BlockSelector):
@@ -316,7 +326,8 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                            config.sparse_min_context)
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
-                                                     config.xattn_block_size, config.sparse_min_context)
+                                                     config.xattn_block_size, config.sparse_min_context,
+                                                     config.xattn_cover)
     if len(selectors) == 2:
         return PrefillDecodeSelector(selectors["xattention"], selectors["quest"])
     return next(iter(selectors.values()))
