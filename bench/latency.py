@@ -16,6 +16,7 @@ import torch
 
 from common import HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, timed
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels.compile_watch import WATCH
 
 
 def decode_floor_ms(llm: LLM, batch: int, context: int, bandwidth: float) -> float:
@@ -84,15 +85,18 @@ def main() -> None:
     llm = LLM(args.config, load_format="dummy", max_model_len=max_len, max_num_seqs=max(b for b, _ in cases))
     llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     for batch, context in cases:
+        compiled_before = len(WATCH.request_path_events())
         cold_ttft, _ = measure_decode(llm, batch, min(context, 2048), 4)  # first run of a new batch size
         ttft, tpot = measure_decode(llm, batch, context, args.decode_tokens)
         floor = decode_floor_ms(llm, batch, context, bandwidth)
+        compiled = [e.kernel for e in WATCH.request_path_events()[compiled_before:]]
         results["decode"].append(dict(batch=batch, context=context, ttft_s=ttft, cold_ttft_2k_s=cold_ttft,
-                                      ms_per_token=tpot,
+                                      compiled_on_request_path=compiled, ms_per_token=tpot,
                                       floor_ms=floor, ratio_to_floor=tpot / floor))
         log(f"batch {batch:3d} context {context:6d}: TTFT {ttft * 1e3:8.1f} ms (first run of this batch size, "
             f"<=2K context: {cold_ttft * 1e3:.1f} ms), {tpot:6.2f} ms/token, "
-            f"floor {floor:5.2f} ms -> {tpot / floor:.2f}x the floor")
+            f"floor {floor:5.2f} ms -> {tpot / floor:.2f}x the floor; "
+            f"Triton variants compiled on the request path: {len(compiled)} {sorted(set(compiled))}")
     for row in results["prefill"]:
         row["tok_s"] = prefill_tok_s(llm, row["context"])
         if "hf_tok_s" in row:

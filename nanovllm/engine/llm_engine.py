@@ -34,6 +34,7 @@ from nanovllm.engine.model_files import eos_token_ids, generation_defaults, load
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.request_state import RequestState, SampleState, sample_params
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.kernels.compile_watch import WATCH
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.models.hub import resolve_model
 from nanovllm.outputs import RequestOutput
@@ -71,7 +72,12 @@ class LLMEngine:
         self.config = EngineConfig.from_options(model, str(path), **options)
         model_dir = Path(self.config.model_path)
         self.tokenizer = load_tokenizer(model_dir)
+        watching = self.config.device != "cpu" and WATCH.install()
+        if watching:
+            WATCH.starting()
         self.runner = ModelRunner(self.config, None if self.config.load_format == "dummy" else model_dir)
+        if watching:
+            WATCH.serving()
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching, self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.config, self.block_manager)

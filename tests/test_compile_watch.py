@@ -1,0 +1,60 @@
+"""The Triton compile watch (kernels/compile_watch.py): start-up compilations apart from request-path ones.
+On the CPU the hooks are driven by hand (the interpreter compiles nothing); on CUDA an engine serving batches
+of new sizes and mixed prefill/decode steps must compile nothing after its start-up (issue #18, item 4)."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanovllm.kernels.compile_watch import CompileWatch
+
+
+def compile_once(watch: CompileWatch, name: str) -> None:
+    assert watch._before(repr=f"{name}[sig]", key=None) is None  # None: Triton goes on compiling
+    watch._after(repr=f"{name}[sig]", fn=SimpleNamespace(name=name), key=None)
+
+
+def test_request_path_compilations_are_counted_and_logged(caplog):
+    watch = CompileWatch()
+    watch.starting()
+    compile_once(watch, "_prefill_kernel")
+    with caplog.at_level(logging.INFO, logger="nanovllm.kernels"):
+        watch.serving()
+        assert "start-up compiled or loaded 1 Triton kernel variants" in caplog.text
+        compile_once(watch, "_decode_kernel")
+    assert [e.kernel for e in watch.request_path_events()] == ["_decode_kernel"]
+    assert "Triton compiled _decode_kernel on the request path" in caplog.text
+    watch.starting()  # a second engine in the process: its start-up is not the request path
+    compile_once(watch, "_sample_kernel")
+    assert [e.kernel for e in watch.request_path_events()] == ["_decode_kernel"]
+
+
+def test_hooks_found_at_install_are_still_called(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append("before"))
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append("after"))
+    watch = CompileWatch()
+    assert watch.install()
+    assert knobs.runtime.jit_cache_hook == watch._before
+    compile_once(watch, "k")
+    assert seen == ["before", "after"] and len(watch.events) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_compilation_on_the_request_path(tiny_llama):
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.kernels.compile_watch import WATCH
+
+    llm = LLM(str(tiny_llama), device="cuda", kvcache_block_size=16, num_gpu_blocks=256, max_num_batched_tokens=256)
+    seen = len(WATCH.request_path_events())
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1)
+    for batch in (1, 3, 17, 32):  # new batch sizes; long prompts prefill in chunks beside decoding rows
+        prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + 37 * i)] for i in range(batch)]
+        llm.generate(prompts, [greedy if i % 2 else sampled for i in range(batch)], use_tqdm=False)
+    assert [e.signature for e in WATCH.request_path_events()[seen:]] == []
