@@ -379,3 +379,16 @@ def test_xattention_plus_quest_uses_each_for_its_rows(tiny_llama):
               xattn_threshold=0.5, quest_token_budget=BS, quest_dense_layers=0)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     assert out.metrics.prefill_density < 1 and out.metrics.decode_density < 1
+
+
+def test_xattention_head_cover_is_the_union_of_single_head_groups():
+    """cover "head" equals covering with each query head as its own group (keys repeated per query head),
+    then the union over the KV head's query heads."""
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    g = torch.Generator().manual_seed(3)
+    keys, q = torch.randn(500, 3, 16, generator=g) * 2, torch.randn(170, 9, 16, generator=g) * 2
+    head = XAttentionSelector(None, None, 0.9, 4, 32, 0, cover="head").sequence_selection(q, keys, 64)
+    single = XAttentionSelector(None, None, 0.9, 4, 32, 0).sequence_selection(q, keys.repeat_interleave(3, 1), 64)
+    assert torch.equal(head, single.view(3, 3, *single.shape[1:]).any(1))
+    assert not torch.equal(head, XAttentionSelector(None, None, 0.9, 4, 32, 0).sequence_selection(q, keys, 64))
