@@ -34,8 +34,8 @@ from nanovllm.engine.model_files import eos_token_ids, generation_defaults, load
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.request_state import RequestState, SampleState, sample_params
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.kernels.compile_watch import WATCH
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.kernels.compile_watch import WATCH
 from nanovllm.models.hub import resolve_model
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
