@@ -83,7 +83,8 @@ def main() -> None:
         base = next(r for r in rows if r["config"] == vars(default))
         log(f"chunk {args.chunk} over prefix {prefix}: default {base['ms']:.2f} ms ({base['tflops']:.0f} TFLOP/s)")
         for r in rows[:4]:
-            log(f"  {r['config']}: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s, {base['ms'] / r['ms']:.2f}x the default")
+            log(f"  {r['config']}: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s, "
+                f"{base['ms'] / r['ms']:.2f}x the default")
         results["shapes"].append(dict(prefix=prefix, default=base, best=rows[:8]))
     save_results("tune_prefill", results)
 

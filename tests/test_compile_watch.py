@@ -55,6 +55,24 @@ def test_no_compilation_on_the_request_path(tiny_llama):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1)
     for batch in (1, 3, 17, 32):  # new batch sizes; long prompts prefill in chunks beside decoding rows
-        prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + 37 * i)] for i in range(batch)]
+        prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + 11 * i)] for i in range(batch)]
         llm.generate(prompts, [greedy if i % 2 else sampled for i in range(batch)], use_tqdm=False)
     assert [e.signature for e in WATCH.request_path_events()[seen:]] == []
+
+
+def test_start_up_mixed_step_leaves_the_engine_as_it_was(tiny_llama):
+    """compile_step_variants (run at start-up on CUDA) on a CPU engine: same greedy and seeded outputs after it,
+    and the unseeded sampling stream is not consumed."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.warm_up import compile_step_variants
+
+    options = dict(device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=64)
+    prompts = [[5, 6, 7, 8] * 10, [9, 10, 11]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)]
+    want = LLM(str(tiny_llama), **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **options)
+    compile_step_variants(llm.runner.worker)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert llm.block_manager.num_used_blocks == 0

@@ -24,6 +24,7 @@ from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_block
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
 from nanovllm.engine.step_plan import StepPlan, WorkerLimits
 from nanovllm.engine.step_stats import SeqStepStats, StepWork
+from nanovllm.engine.warm_up import compile_step_variants
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
 from nanovllm.layers.block_selector import BlockSelector, SparseStats
 from nanovllm.layers.fused_ops import get_layer_ops
@@ -76,6 +77,8 @@ class Worker:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self._capture_graphs()
+        if self.device.type == "cuda":
+            compile_step_variants(self)
 
     @property
     def limits(self) -> WorkerLimits:
