@@ -25,6 +25,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from nanovllm import request_log, validation
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
@@ -72,7 +74,7 @@ class LLMEngine:
         self.config = EngineConfig.from_options(model, str(path), **options)
         model_dir = Path(self.config.model_path)
         self.tokenizer = load_tokenizer(model_dir)
-        watching = self.config.device != "cpu" and WATCH.install()
+        watching = self.config.device != "cpu" and torch.cuda.is_available() and WATCH.install()
         if watching:
             WATCH.starting()
         self.runner = ModelRunner(self.config, None if self.config.load_format == "dummy" else model_dir)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.triton_paged_attention import MIN_TILES_PER_SPLIT
 from nanovllm.layers.kv_access import DeviceKV
 from nanovllm.layers.sampler import sample_on_device
 from nanovllm.sampling_params import SamplingParams
 
 PREFILL_ROWS = 32
+LONG_ROW = 4096  # keys of the long decode row: 64 KV tiles, several decode splits
 
 
 @torch.inference_mode()
@@ -23,8 +23,7 @@ def compile_step_variants(worker) -> None:
     """One mixed step through the model (a prefill chunk, a short and a long decode row) and one sampled
     token per row. Writes KV into the first blocks of the pool: at start-up no request holds them."""
     block_size, config = worker.block_size, worker.config
-    long_row = min(config.max_model_len - 1, worker.num_blocks * block_size,
-                   4 * MIN_TILES_PER_SPLIT * block_size)  # several splits where the pool allows
+    long_row = min(config.max_model_len - 1, worker.num_blocks * block_size, LONG_ROW)
     query_lens = [min(PREFILL_ROWS, long_row), 1, 1]
     seq_lens = [query_lens[0], min(16, long_row), long_row]
     table = list(range(-(-max(seq_lens) // block_size)))
