@@ -77,3 +77,20 @@ def save_results(name: str, results: dict) -> None:
 def require_cuda() -> None:
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
+
+
+def sdpa_causal_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                   repeats: int = 3) -> tuple[float, str]:
+    """The faster of torch SDPA's cuDNN and flash backends on causal attention of q/k/v [1, H, L, D]."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    best = (float("inf"), "none")
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                ms = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), repeats)
+            best = min(best, (ms, backend.name))
+        except RuntimeError as e:
+            log(f"  SDPA {backend.name}: not available ({str(e).splitlines()[0][:80]})")
+    return best

@@ -26,7 +26,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import HERE, cuda_ms, log, require_cuda, save_results
+from common import HERE, cuda_ms, log, require_cuda, save_results, sdpa_causal_ms
 from offload import ACTIVATION_GIB, CARD_GIB, measure_h2d_bandwidth, parse_cases, random_prompts, release_memory, \
     time_decode
 from nanovllm import LLM, SamplingParams
@@ -54,21 +54,9 @@ def shaped_inputs(context: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def sdpa_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[float, str]:
-    """The faster of torch SDPA's cuDNN and flash backends on the same causal attention (GQA expanded)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    qt = q.transpose(0, 1)[None]
-    kt = k.transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)[None]
-    vt = v.transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)[None]
-    best = (float("inf"), "none")
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-        try:
-            with sdpa_kernel([backend]):
-                ms = cuda_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale), 3)
-            best = min(best, (ms, backend.name))
-        except RuntimeError as e:
-            log(f"  SDPA {backend.name}: not available ({str(e).splitlines()[0][:80]})")
-    return best
+    """torch SDPA's faster backend on the same causal attention (GQA expanded)."""
+    expand = lambda t: t.transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)[None]  # noqa: E731
+    return sdpa_causal_ms(q.transpose(0, 1)[None], expand(k), expand(v), scale)
 
 
 def prefill_attention(context: int, threshold: float, stride: int) -> dict:

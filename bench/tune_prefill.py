@@ -12,9 +12,8 @@ import argparse
 import itertools
 
 import torch
-import torch.nn.functional as F
 
-from common import cuda_ms, log, require_cuda, save_results
+from common import cuda_ms, log, require_cuda, save_results, sdpa_causal_ms
 from nanovllm.kernels import triton_paged_attention as ops
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 256
@@ -37,18 +36,8 @@ def causal_flops(chunk: int, prefix: int) -> float:
 
 
 def sdpa_ms(chunk: int) -> tuple[float, str]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     q, k, v = (torch.randn(1, HEADS, chunk, DIM, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    best = (float("inf"), "none")
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-        try:
-            with sdpa_kernel([backend]):
-                best = min(best, (cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 5),
-                                  backend.name))
-        except RuntimeError as e:
-            log(f"  SDPA {backend.name}: not available ({str(e).splitlines()[0][:80]})")
-    return best
+    return sdpa_causal_ms(q, k, v, repeats=5)
 
 
 def main() -> None:
