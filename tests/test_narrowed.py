@@ -85,6 +85,25 @@ def test_planner_narrows_only_steps_whose_every_row_is_narrowed():
     assert not plan.narrowed and plan.graph_batch == 1
 
 
+PROMPTS = [[(7 * i) % 250 + 3 for i in range(150)], [(5 * i) % 250 + 3 for i in range(97)]]
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 6)]
+
+
+def memory_options(offload: bool) -> dict:
+    return dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
+        dict(num_gpu_blocks=64)
+
+
+def assert_same_outputs(got, want, atol: float) -> None:
+    """Same tokens, logprobs within atol, same decode densities (below 1) and host bytes."""
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < atol
+        assert g.metrics.decode_density == pytest.approx(w.metrics.decode_density) and g.metrics.decode_density < 1
+        assert g.metrics.host_kv_bytes_read == w.metrics.host_kv_bytes_read
+
+
 def quest_engine(path, narrowed: bool, **options) -> LLM:
     llm = LLM(str(path), kvcache_block_size=BS, device="cpu", sparse_policy="quest", sparse_min_context=0,
               max_num_batched_tokens=64, **options)
@@ -108,22 +127,14 @@ def count_narrowed_steps(llm: LLM) -> list[int]:
 def test_narrowed_steps_equal_the_eager_device_selection(tiny_llama, offload, dense_layers):
     """Same tokens, logprobs, decode densities and host bytes as the per-layer device selection, with
     every decode step past the budget run as a narrowed step (two sequences, then one)."""
-    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
-        dict(num_gpu_blocks=64)
+    memory = memory_options(offload)
     options = dict(quest_token_budget=2 * BS, quest_dense_layers=dense_layers, **memory)
-    prompts = [[(7 * i) % 250 + 3 for i in range(150)], [(5 * i) % 250 + 3 for i in range(97)]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 6)]
-    want = quest_engine(tiny_llama, False, **options).generate(prompts, params, use_tqdm=False)
+    want = quest_engine(tiny_llama, False, **options).generate(PROMPTS, PARAMS, use_tqdm=False)
     llm = quest_engine(tiny_llama, True, **options)
     seen = count_narrowed_steps(llm)
-    got = llm.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert seen and 2 in seen and 1 in seen
-    for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-5
-        assert g.metrics.decode_density == pytest.approx(w.metrics.decode_density) and g.metrics.decode_density < 1
-        assert g.metrics.host_kv_bytes_read == w.metrics.host_kv_bytes_read
+    assert_same_outputs(got, want, 1e-5)
     if offload:
         assert sum(o.metrics.host_kv_bytes_read for o in got) == llm.runner.host_pool.stats.h2d_bytes > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
@@ -149,21 +160,13 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_narrowed_decode_graphs_equal_eager_quest_on_cuda(tiny_llama, offload):
     """The narrowed steps replayed from CUDA graphs (fp32) equal an eager engine's per-layer selection."""
-    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
-        dict(num_gpu_blocks=64)
+    memory = memory_options(offload)
     options = dict(kvcache_block_size=BS, device="cuda", dtype="float32", sparse_policy="quest",
                    sparse_min_context=0, quest_token_budget=2 * BS, quest_dense_layers=1, max_num_batched_tokens=64,
                    **memory)
-    prompts = [[(7 * i) % 250 + 3 for i in range(150)], [(5 * i) % 250 + 3 for i in range(97)]]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 6)]
-    want = LLM(str(tiny_llama), enforce_eager=True, **options).generate(prompts, params, use_tqdm=False)
+    want = LLM(str(tiny_llama), enforce_eager=True, **options).generate(PROMPTS, PARAMS, use_tqdm=False)
     llm = LLM(str(tiny_llama), **options)
-    got = llm.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert llm.runner.worker.graphs.num_narrowed_replays > 0
-    for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
-        assert g.metrics.decode_density == pytest.approx(w.metrics.decode_density) and g.metrics.decode_density < 1
-        assert g.metrics.host_kv_bytes_read == w.metrics.host_kv_bytes_read
+    assert_same_outputs(got, want, 1e-4)
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
