@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -41,14 +42,16 @@ class ServerProcess:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
-    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
-        """Metrics once nothing runs, waits or holds KV blocks (aborts reach the engine asynchronously)."""
+    def wait_idle(self, timeout: float = 30.0, until: Callable[[dict[str, float]], bool] | None = None
+                  ) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds KV blocks and `until` holds. Aborts reach the engine
+        asynchronously, and a request's end is counted by the output thread after the engine let it go."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
             idle = m["nanovllm:num_requests_running"] == m["nanovllm:num_requests_waiting"] == 0 \
                 and m['nanovllm:kv_blocks_used{pool="gpu"}'] == 0 and m["nanovllm:num_requests_pending"] == 0
-            if idle or time.monotonic() > deadline:
+            if (idle and (until is None or until(m))) or time.monotonic() > deadline:
                 return m
             time.sleep(0.2)
 

@@ -183,9 +183,9 @@ def test_disconnect_aborts_and_frees_kv_blocks(server):
         lines = response.iter_lines()
         assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) >= 3
         assert server.metrics()['nanovllm:kv_blocks_used{pool="gpu"}'] > 0
-    after = server.wait_idle()
-    assert after['nanovllm:kv_blocks_used{pool="gpu"}'] == 0
     aborted = 'nanovllm:request_success_total{finished_reason="abort"}'
+    after = server.wait_idle(until=lambda m: m[aborted] > before[aborted])
+    assert after['nanovllm:kv_blocks_used{pool="gpu"}'] == 0
     assert after[aborted] == before[aborted] + 1
     assert after["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"] < 200
 
@@ -195,8 +195,8 @@ def test_non_streaming_disconnect_aborts(server):
     body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
-    after = server.wait_idle()
     aborted = 'nanovllm:request_success_total{finished_reason="abort"}'
+    after = server.wait_idle(until=lambda m: m[aborted] > before[aborted])
     assert after[aborted] == before[aborted] + 1 and after['nanovllm:kv_blocks_used{pool="gpu"}'] == 0
     assert after["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"] < 200
     log = server.log_path.read_text()

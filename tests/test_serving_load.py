@@ -64,13 +64,14 @@ def test_100_concurrent_streams_with_disconnects(server, expected):
         assert r["done"] and r["finish_reason"] in ("stop", "length"), r
         assert r["text"] == expected[prompt], (prompt, r["text"], expected[prompt])
 
-    after = server.wait_idle()
+    def ended(m: dict[str, float], reasons: tuple[str, ...] = ("stop", "length", "abort")) -> float:
+        return sum(m[f'nanovllm:request_success_total{{finished_reason="{r}"}}']
+                   - before[f'nanovllm:request_success_total{{finished_reason="{r}"}}'] for r in reasons)
+
+    after = server.wait_idle(until=lambda m: ended(m) >= REQUESTS)  # ends are counted after the engine is idle
     assert after['nanovllm:kv_blocks_used{pool="gpu"}'] == 0  # no leaked blocks
     assert after["nanovllm:num_requests_running"] == 0 and after["nanovllm:num_requests_waiting"] == 0
-    finished = sum(after[f'nanovllm:request_success_total{{finished_reason="{r}"}}']
-                   - before[f'nanovllm:request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length"))
-    aborted = after['nanovllm:request_success_total{finished_reason="abort"}'] \
-        - before['nanovllm:request_success_total{finished_reason="abort"}']
+    finished, aborted = ended(after, ("stop", "length")), ended(after, ("abort",))
     assert finished + aborted == REQUESTS and finished >= len(kept)  # a hang-up after the last token is no abort
     assert httpx.get(f"{server.url}/health").status_code == 200
     again = httpx.post(f"{server.url}/v1/completions", timeout=60,
