@@ -59,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from nanovllm import LLM
     from nanovllm import request_log
     from nanovllm.server.app import ServerOptions, api_key_from, load_chat_template, serve
+    from nanovllm.server.engine_core import EngineProcess
 
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
@@ -72,7 +73,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = ServerOptions(args.served_model_name, args.max_pending_requests, api_key_from(args.api_key),
                             tuple(args.allowed_origins or ()), args.max_request_body_bytes, args.timeout_keep_alive,
                             args.timeout_request_read, load_chat_template(args.chat_template))
-    llm = LLM(model, **engine_options(args))
+    if args.engine_core == "process":
+        llm = EngineProcess(model, args.enable_log_requests, **engine_options(args))
+    else:
+        llm = LLM(model, **engine_options(args))
     serve(llm, args.host, args.port, options, args.log_level, args.shutdown_timeout)
 
 
@@ -134,6 +138,10 @@ def add_serve_parser(sub) -> None:
                        help="log one line per request: its id, prompt length and sampling parameters (default: off)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level (default: info)")
+    serve.add_argument("--engine-core", default="process", choices=["process", "thread"],
+                       help="where the engine loop runs: in a process of its own, apart from the HTTP front end "
+                            "and the detokenizer (as vLLM's EngineCore), or in a thread of the server process "
+                            "(default: process)")
     add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -79,7 +79,7 @@ def test_a_broken_engine_is_reported_and_ends_the_server(llm, monkeypatch):
     with TestClient(server.app) as client:
         for _ in range(MAX_CONSECUTIVE_STEP_FAILURES + 1):
             assert client.post("/v1/completions", json=BODY).status_code == 500
-        server.engine._thread.join(timeout=30)
+        server.engine.core.join(timeout=30)
         assert fatal == [True]
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "error"
@@ -102,7 +102,7 @@ def test_serve_exits_with_status_1_when_the_engine_breaks(tiny_llama, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
     proc = subprocess.Popen([sys.executable, "-c", script, "serve", str(tiny_llama), "--port", str(port), "--device",
-                             "cpu", "--log-level", "warning", *SMALL_ENGINE], stdout=log.open("w"),
+                             "cpu", "--log-level", "warning", "--engine-core", "thread", *SMALL_ENGINE], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "NANOVLLM_API_KEY"})
     try:
         from nanovllm.serving_bench import wait_healthy

@@ -37,6 +37,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
 from nanovllm.server import responses as r
 from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
+from nanovllm.server.engine_core import EngineProcess, ThreadCore
 from nanovllm.server.http import APIKeyMiddleware, read_json_body, with_header_timeout
 from nanovllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm.server.preprocess import PreparedRequest, Preprocessor, refusal
@@ -64,12 +65,16 @@ def error_response(e: p.APIError) -> JSONResponse:
 
 
 class OpenAIServer:
-    def __init__(self, llm: LLM, options: ServerOptions = ServerOptions()):
+    """The routes over one engine: an LLM (its loop then runs in a thread of this process) or an
+    EngineProcess (in a process of its own)."""
+
+    def __init__(self, llm: LLM | EngineProcess, options: ServerOptions = ServerOptions()):
         self.llm = llm
         self.options = options
         self.model_name = options.served_model_name or Path(llm.config.model).name
         self.metrics = ServerMetrics(self.model_name)
-        self.engine = AsyncEngine(llm, self.metrics, options.max_pending_requests)
+        core = llm if isinstance(llm, EngineProcess) else ThreadCore(llm)
+        self.engine = AsyncEngine(core, self.metrics, options.max_pending_requests)
         self.preprocessor = Preprocessor(llm, (self.model_name,), options.chat_template)
         self.token_texts = r.TokenTexts(llm.tokenizer)
         middleware = []
@@ -309,7 +314,7 @@ async def _until_finished_or_disconnect(streams: list[RequestStream], request: R
 SWITCH_INTERVAL_S = 0.0005
 
 
-def serve(llm: LLM, host: str, port: int, options: ServerOptions = ServerOptions(), log_level: str = "info",
+def serve(llm: LLM | EngineProcess, host: str, port: int, options: ServerOptions = ServerOptions(), log_level: str = "info",
           shutdown_timeout: float | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain the requests in flight. Exits with status 1 if the
     engine broke."""

@@ -1,17 +1,18 @@
-"""One engine loop in a background thread, driven from asyncio, with text made in a second thread.
+"""The server's front end of the engine: requests driven from asyncio, text made in an output thread.
 
-The HTTP handlers never touch the engine: they post commands (add, abort) to a queue under a lock. The
-engine thread is the only caller of add_request, abort_request and step(); it runs requests without
-detokenizing them and hands each step's token outputs to the output thread, which turns them into text
+The HTTP handlers never touch the engine: they post commands (add, abort) to the engine core
+(server/engine_core.py: the engine loop in a thread of this process, or in a process of its own). The core
+runs requests without detokenizing them and reports each step's token outputs here, from its thread (or the
+thread reading its pipe); they go to the output thread, which turns them into text
 (engine/detokenizer.OutputText: the same code as offline), checks stop strings (a match ends the request
 in the engine with a "finish" command) and fills the per-request asyncio.Queue with
 `loop.call_soon_threadsafe`. So the event loop never blocks on a forward pass and the engine never waits
 for detokenization.
 
-No request can end the engine thread: a request the engine refuses fails alone, and a step that raises
+No request can end the engine loop: a request the engine refuses fails alone, and a step that raises
 fails the requests of its batch (`StepFailed`) while the others go on. Only a broken engine (several
-failed steps in a row, or bookkeeping that no longer adds up) stops it: `error` is set, every request
-fails with 503 and `on_fatal` is called (the server then exits non-zero).
+failed steps in a row, bookkeeping that no longer adds up, or its process gone) stops it: `error` is set,
+every request fails with 503 and `on_fatal` is called (the server then exits non-zero).
 """
 from __future__ import annotations
 
@@ -20,20 +21,20 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanovllm.engine.detokenizer import OutputText
-from nanovllm.engine.llm_engine import LLMEngine, StepFailed
+from nanovllm.engine.llm_engine import EngineStats
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.server.engine_core import MAX_CONSECUTIVE_STEP_FAILURES, CoreEvents, RequestFailed  # noqa: F401
 from nanovllm.server.metrics import ServerMetrics
 
 log = logging.getLogger("nanovllm.server")
 
 _ACCEPTED = object()  # first item on a request's queue once add_request succeeded
-MAX_CONSECUTIVE_STEP_FAILURES = 3  # more failed steps in a row than this: the engine is broken
 
 
 class EngineUnavailable(Exception):
@@ -44,20 +45,34 @@ class EngineUnavailable(Exception):
         self.reason = reason
 
 
-class RequestFailed(Exception):
-    """The request was accepted but could not be completed (its step failed); the engine goes on."""
+class EngineCore(Protocol):
+    """Where the engine loop runs (engine_core.ThreadCore or EngineProcess)."""
+
+    tokenizer: object
+
+    def stats(self) -> EngineStats: ...
+
+    def start(self, events: CoreEvents) -> None: ...
+
+    def post(self, command: tuple) -> None: ...
+
+    def stop(self, timeout: float | None = None) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
 
 
 @dataclass
 class _Track:
-    """Per-request bookkeeping, owned by the engine thread after submission."""
+    """Per-request bookkeeping, updated by the thread that reports the engine's events."""
 
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    arrival: float
+    arrival: float  # time.monotonic()
+    token_ids: list[int]
+    params: SamplingParams
+    accepted: bool = False
     last_token_time: float | None = None
     num_tokens: int = 0
-    scheduled: bool = False  # its first step ran (the queue time is recorded)
     host_kv_bytes: int = 0  # host KV bytes read so far, as recorded in the metrics
 
     def put(self, item) -> None:
@@ -110,38 +125,31 @@ class RequestStream:
         self.engine._release(self.request_id, abort=not self.finished)
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_pending_requests: int = 256,
+class AsyncEngine(CoreEvents):
+    def __init__(self, core: EngineCore, metrics: ServerMetrics, max_pending_requests: int = 256,
                  on_fatal: Callable[[], None] | None = None):
         if max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
-        self.engine = engine
+        self.core = core
         self.metrics = metrics
         self.max_pending_requests = max_pending_requests
-        self.on_fatal = on_fatal  # called from the engine thread once the engine is broken
+        self.on_fatal = on_fatal  # called once the engine is broken
         self.pending = 0  # changed only on the event loop
         self.draining = False
         self.error: BaseException | None = None
-        self._commands: deque[tuple] = deque()
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._tracks: dict[str, _Track] = {}  # engine thread only
-        self._failed_steps_in_a_row = 0
-        self._outputs = OutputThread(engine.tokenizer, metrics, self._post)
-        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
-        self.metrics.set_stats(engine.stats())
+        self._lock = threading.Lock()
+        self._tracks: dict[str, _Track] = {}  # added on the event loop, ended by the engine's events
+        self._outputs = OutputThread(core.tokenizer, metrics, self._post)
+        self.metrics.set_stats(core.stats())
 
     # ---- event-loop side -----------------------------------------------------------------
     def start(self) -> None:
         self._outputs.start()
-        self._thread.start()
+        self.core.start(self)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Let the engine thread finish what it holds, then end it and the output thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout)
+        """Let the engine finish what it holds, then end it and the output thread."""
+        self.core.stop(timeout)
         self._outputs.stop(timeout)
 
     def check_available(self) -> None:
@@ -161,9 +169,12 @@ class AsyncEngine:
         self.metrics.set_pending(self.pending)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, asyncio.Queue())
-        track = _Track(stream.queue, loop, time.perf_counter())
+        track = _Track(stream.queue, loop, time.monotonic(), token_ids, params)
         try:
-            self._post(("add", request_id, token_ids, params, track))
+            with self._lock:
+                if self.error is None:
+                    self._tracks[request_id] = track
+            self._post(("add", request_id, token_ids, params))
             item = await stream.queue.get()
         except BaseException:
             stream.close()  # cancelled while waiting for admission, or the engine is gone
@@ -184,106 +195,56 @@ class AsyncEngine:
                 pass
 
     def _post(self, command: tuple) -> None:
-        with self._cond:
+        with self._lock:
             if self.error is not None:
                 raise EngineUnavailable(f"the engine failed: {self.error!r}", "engine_error")
-            self._commands.append(command)
-            self._cond.notify()
+            self.core.post(command)
 
-    # ---- engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while self._next_commands() is not None or self.engine.has_unfinished_requests():
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self.metrics.set_stats(self.engine.stats())
-        except BaseException as e:  # noqa: BLE001 - the engine itself is broken: report it and stop
-            self._die(e)
-
-    def _step(self) -> None:
-        started = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except StepFailed as e:
-            self._failed_steps_in_a_row += 1
-            log.error("%s", e, exc_info=e.__cause__)
-            lost = [rid for rid in self._tracks if rid not in self.engine.requests]  # finished in that step
-            for request_id in dict.fromkeys([*e.request_ids, *lost]):
-                self._fail(request_id, RequestFailed(f"the request failed in the engine: {e.__cause__!r}"))
-            if self._failed_steps_in_a_row > MAX_CONSECUTIVE_STEP_FAILURES:
-                raise RuntimeError(f"{self._failed_steps_in_a_row} steps in a row failed; last: {e}") from e
+    # ---- the engine's events (CoreEvents), from the thread that reports them --------------
+    def accepted(self, request_id: str) -> None:
+        track = self._tracks.get(request_id)
+        if track is None:  # failed by a broken engine meanwhile
             return
-        self._failed_steps_in_a_row = 0
-        self._record_scheduled(started)
-        self._deliver(outputs, time.perf_counter())
+        track.accepted = True
+        self._outputs.post(("start", request_id, track, track.token_ids, track.params))
+        track.put(_ACCEPTED)
 
-    def _record_scheduled(self, step_started: float) -> None:
-        """The queue time of each request whose first step was the one that started at step_started."""
-        for request_id, track in self._tracks.items():
-            if track.scheduled:
-                continue
-            req = self.engine.requests.get(request_id)
-            if req is None or req.seq.num_computed_tokens > 0:  # gone: finished in that step
-                track.scheduled = True
+    def refused(self, request_id: str, error: Exception) -> None:
+        track = self._tracks.pop(request_id, None)
+        if track is not None:
+            track.put(error)
+
+    def stepped(self, outputs: list[RequestOutput], first_scheduled: list[str], step_started: float,
+                stats: EngineStats) -> None:
+        for request_id in first_scheduled:
+            track = self._tracks.get(request_id)
+            if track is not None:
                 self.metrics.record_scheduled(max(0.0, step_started - track.arrival))
+        if outputs:
+            self._deliver(outputs, time.monotonic())
+        self.metrics.set_stats(stats)
 
-    def _die(self, error: BaseException) -> None:
-        log.critical("the engine failed and stops; the server will exit: %r", error, exc_info=error)
-        with self._cond:
-            self.error = error
-            commands = list(self._commands)
-            self._commands.clear()
-        unavailable = EngineUnavailable(f"the engine failed: {error!r}", "engine_error")
-        for command in commands:
-            if command[0] == "add":
-                command[4].put(unavailable)
-        for request_id in list(self._tracks):
-            self._fail(request_id, unavailable)
-        if self.on_fatal is not None:
-            self.on_fatal()
-
-    def _fail(self, request_id: str, error: Exception) -> None:
+    def failed(self, request_id: str, error: Exception) -> None:
         self._tracks.pop(request_id, None)
         self._outputs.post(("fail", request_id, error))
 
-    def _next_commands(self) -> list[tuple] | None:
-        """Apply queued commands, waiting for some while idle; None once stopping and idle."""
-        with self._cond:
-            while not self._commands and not self.engine.has_unfinished_requests():
-                if self._stopping:
-                    return None
-                self._cond.wait()
-            commands = list(self._commands)
-            self._commands.clear()
-        for command in commands:
-            self._apply(command)
-        return commands
+    def released(self, request_id: str, kind: str) -> None:
+        self._tracks.pop(request_id, None)
+        if kind == "abort":  # else "finish": the output thread found a stop string and ended it already
+            self._outputs.post(("abort", request_id))
 
-    def _apply(self, command: tuple) -> None:
-        kind, request_id = command[0], command[1]
-        if kind == "add":
-            self._add(request_id, *command[2:])
-            return
-        track = self._tracks.pop(request_id, None)
-        if track is not None:  # still in the engine: free its blocks
-            self.engine.abort_request(request_id)
-            if kind == "abort":  # else "finish": the output thread found a stop string and ended it already
-                self._outputs.post(("abort", request_id))
-
-    def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, track: _Track) -> None:
-        try:
-            self.engine.add_request(token_ids, params, request_id, detokenize=False)
-        except (ValueError, TypeError) as e:
-            track.put(e)
-            return
-        except Exception as e:  # noqa: BLE001 - a bug of admission must not end the engine thread
-            log.exception("add_request failed")
-            self.engine.abort_request(request_id)
-            track.put(RequestFailed(f"the engine could not admit the request: {e!r}"))
-            return
-        self._tracks[request_id] = track
-        self._outputs.post(("start", request_id, track, token_ids, params))
-        track.put(_ACCEPTED)
+    def fatal(self, error: BaseException) -> None:
+        with self._lock:
+            self.error = error
+            tracks, self._tracks = self._tracks, {}
+        unavailable = EngineUnavailable(f"the engine failed: {error!r}", "engine_error")
+        for request_id, track in tracks.items():
+            if track.accepted:
+                self._outputs.post(("fail", request_id, unavailable))
+            else:
+                track.put(unavailable)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
@@ -389,7 +350,7 @@ class OutputThread:
         state = self._texts.pop(request_id, None)
         if state is None:
             return
-        self.metrics.record_finished(reason, time.perf_counter() - state.track.arrival)
+        self.metrics.record_finished(reason, time.monotonic() - state.track.arrival)
         if item is not None:
             state.track.put(item)
 

@@ -1,0 +1,120 @@
+"""The server's engine in a process of its own (server/engine_core.EngineProcess, `nanovllm serve`'s default):
+the same outputs as in a thread, limits checked on the server's side, bad options raised where the server
+starts, a dead engine process reported like a broken engine (the streams in flight get an error event, `serve`
+exits 1), and the process gone after shutdown."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+
+from starlette.testclient import TestClient
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.server.app import OpenAIServer, ServerOptions
+from nanovllm.server.engine_core import EngineProcess
+from nanovllm.server.metrics import parse_metrics
+from server_helpers import ServerProcess
+
+ENGINE = dict(kvcache_block_size=16, num_gpu_blocks=12, max_model_len=256, device="cpu", dtype="float32")
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def engine_process(tiny_llama):
+    engine = EngineProcess(str(tiny_llama), **ENGINE)
+    yield engine
+    engine.stop(timeout=30)
+
+
+def test_outputs_equal_the_engine_in_this_process(tiny_llama, engine_process):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    want = LLM(str(tiny_llama), **ENGINE).generate(PROMPTS, params, use_tqdm=False)
+    server = OpenAIServer(engine_process, ServerOptions(served_model_name="tiny"))
+    with TestClient(server.app) as client:
+        for prompt, expected in zip(PROMPTS, want):
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            got = choice["logprobs"]["token_logprobs"]
+            assert len(got) == len(expected.token_ids) == 12
+            wanted = [lp[t] for lp, t in zip(expected.outputs[0].logprobs, expected.token_ids)]
+            assert got == pytest.approx(wanted, abs=1e-5)
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+            chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+            assert sum(len(c["logprobs"]["token_logprobs"]) for c in chunks) == 12
+            assert chunks[-1]["finish_reason"] == "length" and events[-1] == "[DONE]"
+        metrics = parse_metrics(client.get("/metrics").text)
+    assert metrics["nanovllm:generation_tokens_total"] == 2 * 12 * len(PROMPTS)
+    assert metrics['nanovllm:kv_blocks_used{pool="gpu"}'] == 0
+
+
+def test_limits_are_checked_on_the_server_side(engine_process):
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        engine_process.check_request([1] * 300, SamplingParams())
+    with pytest.raises(ValueError, match=r"KV blocks .* whole pool has 12 blocks"):
+        engine_process.check_request([1] * 100, SamplingParams(max_tokens=1000))
+    assert engine_process.config.max_model_len == 256 and engine_process.tokenize([3, 4]) == [3, 4]
+
+
+def test_bad_options_raise_where_the_server_starts(tiny_llama):
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineProcess(str(tiny_llama), **{**ENGINE, "max_num_seqs": 0})
+    with pytest.raises(TypeError, match="unknown engine option 'max_num_seq'"):
+        EngineProcess(str(tiny_llama), **ENGINE, max_num_seq=4)
+
+
+def test_a_dead_engine_process_is_reported_like_a_broken_engine(tiny_llama):
+    engine = EngineProcess(str(tiny_llama), **ENGINE)
+    server = OpenAIServer(engine, ServerOptions(served_model_name="tiny"))
+    fatal = []
+    server.engine.on_fatal = lambda: fatal.append(True)
+    body = {"prompt": PROMPTS[0], "max_tokens": 2}
+    with TestClient(server.app) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.join(timeout=30)
+        assert fatal == [True]
+        health = client.get("/health")
+        assert health.status_code == 503 and "engine process exited" in health.json()["error"]
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_error"
+
+
+def test_serve_fails_the_streams_in_flight_and_exits_1_when_the_engine_process_dies(tiny_llama, tmp_path):
+    log = tmp_path / "server.log"
+    server = ServerProcess(tiny_llama, ["--device", "cpu", "--num-gpu-blocks", "64"], log)
+    try:
+        children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+        engines = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1  # beside multiprocessing's resource tracker
+        body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert sum(1 for _, line in zip(range(4), lines) if line.startswith("data: ")) >= 2
+            os.kill(int(engines[0]), signal.SIGKILL)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "engine_error", rest[-3:]
+        assert server.proc.wait(timeout=60) == 1
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert "error: the engine failed" in log.read_text() and "engine process exited" in log.read_text()
+
+
+def test_shutdown_ends_the_engine_process(tiny_llama):
+    engine = EngineProcess(str(tiny_llama), **ENGINE)
+    server = OpenAIServer(engine, ServerOptions(served_model_name="tiny"))
+    with TestClient(server.app) as client:
+        assert client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 3}).status_code == 200
+    deadline = time.monotonic() + 30
+    while engine._process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine._process.exitcode == 0
