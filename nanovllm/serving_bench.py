@@ -256,7 +256,8 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_server(args.model, engine_args, port, out_dir / "serving_server.log")
+        proc = start_server(args.model, [*engine_args, "--engine-core", args.engine_core], port,
+                            out_dir / "serving_server.log")
     try:
         wait_healthy(url, proc)
         model, max_model_len = server_model(url)
@@ -283,7 +284,8 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
         r["fraction_of_peer"] = r["output_throughput_tok_s"] / peer["output_throughput_tok_s"]
     report = {"title": f"{model}: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out",
               "model": model, "url": args.url, "num_prompts": args.num_prompts, "input_len": args.input_len,
-              "output_len": args.output_len, "engine_options": engine_options, "peer": peer, "rates": results}
+              "output_len": args.output_len, "engine_options": engine_options,
+              "engine_core": args.engine_core if proc is not None else None, "peer": peer, "rates": results}
     print_report(report)
     (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / f"{args.name}.png")
@@ -310,6 +312,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the offline LLM.generate peer; throughput is then relative to the rate-inf run")
     parser.add_argument("--output-dir", default=None, help="where the JSON and PNG go (default: $OUT or bench/results)")
     parser.add_argument("--name", default="serving", help="file name stem of the results (default: serving)")
+    parser.add_argument("--engine-core", default="process", choices=["process", "thread"],
+                        help="the started server's --engine-core (default: process)")
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
