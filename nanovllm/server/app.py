@@ -4,7 +4,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streaming),
 /v1/models/{id}, POST /tokenize and /detokenize, GET /version, /health and /metrics (Prometheus text). A
 completion request with several prompts, or n > 1, runs one engine request per prompt and choice. With an
 API key, every route but /health, /metrics and /version needs it; CORS only for --allowed-origins.
-SIGTERM/SIGINT: new requests get 503 while the requests in flight finish, then the engine thread stops and
+SIGTERM/SIGINT: new requests get 503 while the requests in flight finish, then the engine loop stops and
 the process exits; a second signal exits at once. If the engine breaks, /health says so and the process
 exits with status 1, for a supervisor to restart it.
 """
@@ -309,8 +309,9 @@ async def _until_finished_or_disconnect(streams: list[RequestStream], request: R
     return done_task.result()
 
 
-# The engine thread drops the GIL at every device sync and must get it back at once; with a busy event loop
-# holding it, each such hand-back waits out the interpreter's switch interval (5 ms by default).
+# The engine thread (--engine-core thread), and the thread reading the engine process's pipe, drop the GIL at
+# every wait and must get it back at once; with a busy event loop holding it, each such hand-back waits out
+# the interpreter's switch interval (5 ms by default).
 SWITCH_INTERVAL_S = 0.0005
 
 
