@@ -118,3 +118,20 @@ def test_shutdown_ends_the_engine_process(tiny_llama):
     while engine._process.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine._process.exitcode == 0
+
+
+def test_offload_host_bytes_reach_the_metrics(tiny_llama):
+    """The host KV bytes are sent only when they grow: the counter still sums to the engine's own count."""
+    options = {**ENGINE, "num_gpu_blocks": 6, "enable_cpu_offload": True, "cpu_kv_cache_gb": 0.01}
+    prompt = [(7 * i) % 200 + 3 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = LLM(str(tiny_llama), **options).generate([prompt], params, use_tqdm=False)[0]
+    assert want.metrics.host_kv_bytes_read > 0
+    engine = EngineProcess(str(tiny_llama), **options)
+    server = OpenAIServer(engine, ServerOptions(served_model_name="tiny"))
+    with TestClient(server.app) as client:
+        body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert [line for line in response.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+        metrics = parse_metrics(client.get("/metrics").text)
+    assert metrics["nanovllm:host_kv_bytes_read_total"] == want.metrics.host_kv_bytes_read

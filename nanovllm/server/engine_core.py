@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
@@ -323,6 +323,8 @@ class EngineProcess:
         if rebuilt is None:
             rebuilt = self._rebuilt[request_id] = _Rebuilt(self._prompts[request_id], prompt_logprobs)
         rebuilt.token_ids += new_tokens
+        if metrics is not None:
+            rebuilt.metrics = metrics
         if new_logprobs is not None:
             rebuilt.logprobs = (rebuilt.logprobs or []) + new_logprobs
         logprobs = None if rebuilt.logprobs is None else list(rebuilt.logprobs)
@@ -330,7 +332,7 @@ class EngineProcess:
         if finished:
             self._end(request_id)
         completion = CompletionOutput(0, "", list(rebuilt.token_ids), finish_reason, logprobs)
-        return RequestOutput(request_id, None, rebuilt.prompt_token_ids, [completion], finished, metrics,
+        return RequestOutput(request_id, None, rebuilt.prompt_token_ids, [completion], finished, rebuilt.metrics,
                              rebuilt.prompt_logprobs)
 
     def _end(self, request_id: str) -> None:
@@ -342,11 +344,9 @@ class EngineProcess:
 class _Rebuilt:
     prompt_token_ids: list[int]
     prompt_logprobs: list | None
-    token_ids: list[int] = None  # type: ignore[assignment]
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-
-    def __post_init__(self) -> None:
-        self.token_ids = []
+    metrics: RequestMetrics | None = None  # the latest sent
 
 
 class _PipeEvents:
@@ -355,7 +355,7 @@ class _PipeEvents:
     def __init__(self, connection: Connection):
         self.connection = connection
         self._buffer: list[tuple] = []
-        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, logprobs) already sent
+        self._sent: dict[str, tuple[int, int, int]] = {}  # request id -> (tokens, logprobs, host bytes) sent
 
     def accepted(self, request_id: str) -> None:
         self._buffer.append(("accepted", request_id))
@@ -390,19 +390,23 @@ class _PipeEvents:
         self._buffer = []
 
     def _delta(self, out: RequestOutput) -> tuple:
-        completion = out.outputs[0]
-        first = out.request_id not in self._sent
-        tokens_sent, logprobs_sent = self._sent.get(out.request_id, (0, 0))
+        """(id, new tokens, their logprobs, finish reason, metrics, prompt logprobs). The metrics only when
+        the front end reads them: first and last output, and when the host bytes grew (pickling one
+        per output per step would cost the engine ~1.4 us each)."""
+        completion, metrics = out.outputs[0], out.metrics
+        sent = self._sent.get(out.request_id)
+        tokens_sent, logprobs_sent, host_bytes = sent if sent is not None else (0, 0, -1)
         logprobs = completion.logprobs
         new_logprobs = None if logprobs is None else logprobs[logprobs_sent:]
+        host_now = metrics.host_kv_bytes_read if metrics is not None else 0
+        send_metrics = sent is None or out.finished or host_now != host_bytes
         if out.finished:
             self._sent.pop(out.request_id, None)
         else:
-            self._sent[out.request_id] = (len(completion.token_ids), 0 if logprobs is None else len(logprobs))
-        metrics: RequestMetrics | None = out.metrics
+            self._sent[out.request_id] = (len(completion.token_ids), 0 if logprobs is None else len(logprobs), host_now)
         return (out.request_id, completion.token_ids[tokens_sent:], new_logprobs,
-                completion.finish_reason if out.finished else None, metrics,
-                out.prompt_logprobs if first else None)
+                completion.finish_reason if out.finished else None, metrics if send_metrics else None,
+                out.prompt_logprobs if sent is None else None)
 
 
 def _portable(error: BaseException) -> Exception:
