@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 from nanovllm.engine_args import add_engine_options, engine_options, run_command
+from nanovllm.log_setup import configure_logging
 
 MODEL_HELP = ("HF-format model directory, a Hugging Face Hub id (org/name, downloaded into the hub cache) or "
               "smollm2-135m / qwen2.5-coder-0.5b (default: SmolLM2-135M-Instruct)")
@@ -185,16 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_ppl_parser(sub)
     return parser
-
-
-def configure_logging() -> None:
-    """nanovllm's INFO lines (the KV pool at start, requests with --enable-log-requests) on stderr."""
-    log = logging.getLogger("nanovllm")
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> None:

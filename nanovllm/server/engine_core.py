@@ -419,7 +419,7 @@ def _portable(error: BaseException) -> Exception:
 def _engine_process_main(model: str | None, options: dict, log_requests: bool, log_level: int,
                          commands: Connection, events: Connection) -> None:
     from nanovllm import request_log
-    from nanovllm.cli import configure_logging
+    from nanovllm.log_setup import configure_logging
     from nanovllm.llm import LLM
 
     # Ctrl-C reaches the whole process group: the server drains and then stops this process over the pipe.
