@@ -36,8 +36,8 @@ from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
 from nanovllm.server import responses as r
-from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestFailed, RequestStream
-from nanovllm.server.engine_core import EngineProcess, ThreadCore
+from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from nanovllm.server.engine_core import EngineProcess, RequestFailed, ThreadCore
 from nanovllm.server.http import APIKeyMiddleware, read_json_body, with_header_timeout
 from nanovllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm.server.preprocess import PreparedRequest, Preprocessor, refusal

@@ -29,7 +29,7 @@ from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.llm_engine import EngineStats
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.server.engine_core import MAX_CONSECUTIVE_STEP_FAILURES, CoreEvents, RequestFailed  # noqa: F401
+from nanovllm.server.engine_core import CoreEvents, RequestFailed
 from nanovllm.server.metrics import ServerMetrics
 
 log = logging.getLogger("nanovllm.server")
@@ -198,7 +198,10 @@ class AsyncEngine(CoreEvents):
         with self._lock:
             if self.error is not None:
                 raise EngineUnavailable(f"the engine failed: {self.error!r}", "engine_error")
-            self.core.post(command)
+            try:
+                self.core.post(command)
+            except OSError as e:  # the engine process is gone; the thread reading its pipe reports it
+                raise EngineUnavailable(f"the engine process is gone: {e!r}", "engine_error") from None
 
     # ---- the engine's events (CoreEvents), from the thread that reports them --------------
     def accepted(self, request_id: str) -> None:

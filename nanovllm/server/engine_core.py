@@ -326,7 +326,8 @@ class EngineProcess:
         if metrics is not None:
             rebuilt.metrics = metrics
         if new_logprobs is not None:
-            rebuilt.logprobs = (rebuilt.logprobs or []) + new_logprobs
+            rebuilt.logprobs = (rebuilt.logprobs or [])
+            rebuilt.logprobs += new_logprobs
         logprobs = None if rebuilt.logprobs is None else list(rebuilt.logprobs)
         finished = finish_reason is not None
         if finished:
