@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server: one engine thread behind an asyncio (Starlette + uvicorn) front end."""
+"""The OpenAI-compatible HTTP server: one engine loop (in its own process, or a thread) behind an asyncio (Starlette + uvicorn) front end."""

@@ -1,8 +1,8 @@
-"""Request preparation off the event loop and the engine thread: parse, validate, tokenize.
+"""Request preparation off the event loop and the engine loop: parse, validate, tokenize.
 
 A small thread pool runs `prepare`: JSON parsing and validation (protocol.py), the chat template or the
 tokenizer (HF fast tokenizers release the GIL while they encode), and every check that needs the prompt's
-length. A huge prompt thus delays only its own request; the engine thread receives token ids. After a
+length. A huge prompt thus delays only its own request; the engine loop receives token ids. After a
 large body, freed heap memory is handed back to the OS (glibc's malloc_trim), so one big request does not
 leave gigabytes behind.
 """
