@@ -258,6 +258,10 @@ async def _all(streams: list[RequestStream]):
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) in arrival order until every stream finished; raises a stream's failure."""
+    if len(streams) == 1:  # the common case, without a task per output
+        while not streams[0].finished:
+            yield 0, await streams[0].next()
+        return
     pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
     try:
         while pending:

@@ -250,6 +250,7 @@ class AsyncEngine(CoreEvents):
             self.on_fatal()
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        delivered = []
         for out in outputs:
             track = self._tracks.get(out.request_id)
             if track is None:
@@ -266,9 +267,11 @@ class AsyncEngine(CoreEvents):
             if out.metrics is not None:
                 self.metrics.record_host_bytes(out.metrics.host_kv_bytes_read - track.host_kv_bytes)
                 track.host_kv_bytes = max(track.host_kv_bytes, out.metrics.host_kv_bytes_read)
-            self._outputs.post(("output", out.request_id, out))
+            delivered.append(out)
             if out.finished:
                 del self._tracks[out.request_id]
+        if delivered:
+            self._outputs.post(("outputs", delivered))
 
 
 @dataclass
@@ -283,9 +286,13 @@ class _Text:
 class OutputThread:
     """Turns the engine's token outputs into text, stop strings included, and hands them to the requests.
 
-    Events, in the engine's order: ("start", id, track, prompt ids, params), ("output", id, RequestOutput),
-    ("abort", id), ("fail", id, exception). It posts ("finish", id) to the engine when a stop string ends a
-    request, and records every request's end in the metrics (once: it alone knows whether it ended)."""
+    Events, in the engine's order: ("start", id, track, prompt ids, params), ("outputs", [RequestOutput]) (one
+    step's), ("abort", id), ("fail", id, exception). It posts ("finish", id) to the engine when a stop string
+    ends a request, and records every request's end in the metrics (once: it alone knows whether it ended).
+    What it hands to the requests goes to their event loop in one callback per batch of events, not one
+    per request and step (each call_soon_threadsafe wakes the loop)."""
+
+    MAX_BATCH = 64  # events handled before their outputs are handed over, however busy the queue
 
     def __init__(self, tokenizer, metrics: ServerMetrics, post_to_engine: Callable[[tuple], None]):
         self.tokenizer = tokenizer
@@ -293,6 +300,7 @@ class OutputThread:
         self.post_to_engine = post_to_engine
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._texts: dict[str, _Text] = {}
+        self._handed: list[tuple[_Track, object]] = []  # (track, item) not yet handed to the event loop
         self._thread = threading.Thread(target=self._run, name="nanovllm-detokenizer", daemon=True)
 
     def start(self) -> None:
@@ -306,26 +314,51 @@ class OutputThread:
         self._events.put(event)
 
     def _run(self) -> None:
+        handled = 0
         while (event := self._events.get()) is not None:
-            try:
-                self._handle(event)
-            except Exception as e:  # noqa: BLE001 - one request's text must not stop the others'
-                log.exception("turning request %s's tokens into text failed", event[1])
-                self._end(event[1], "error", RequestFailed(f"turning the output into text failed: {e!r}"))
-                self._post_quietly(("abort", event[1]))
+            if event[0] == "outputs":
+                for out in event[1]:
+                    self._safely(self._output, out.request_id, out)
+            else:
+                self._safely(self._handle, event[1], event)
+            handled += 1
+            if handled >= self.MAX_BATCH or self._events.empty():
+                self._hand_over()
+                handled = 0
 
-    def _handle(self, event: tuple) -> None:
-        kind, request_id = event[0], event[1]
+    def _safely(self, fn: Callable, request_id: str, arg) -> None:
+        try:
+            fn(request_id, arg)
+        except Exception as e:  # noqa: BLE001 - one request's text must not stop the others'
+            log.exception("turning request %s's tokens into text failed", request_id)
+            self._end(request_id, "error", RequestFailed(f"turning the output into text failed: {e!r}"))
+            self._post_quietly(("abort", request_id))
+
+    def _handle(self, request_id: str, event: tuple) -> None:
+        kind = event[0]
         if kind == "start":
             _, _, track, token_ids, params = event
             text = OutputText.for_params(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
             self._texts[request_id] = _Text(track, text)
-        elif kind == "output":
-            self._output(request_id, event[2])
         elif kind == "abort":
             self._end(request_id, "abort", None)
         else:
             self._end(request_id, "error", event[2])
+
+    def _hand(self, track: _Track, item) -> None:
+        self._handed.append((track, item))
+
+    def _hand_over(self) -> None:
+        """One callback per event loop puts every pending item on its request's queue."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for track, item in self._handed:
+            by_loop.setdefault(track.loop, []).append((track.queue, item))
+        self._handed = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: nobody waits for these requests any more
+                pass
 
     def _output(self, request_id: str, out: RequestOutput) -> None:
         state = self._texts.get(request_id)
@@ -347,7 +380,7 @@ class OutputThread:
             text = state.text.final(token_ids) if state.text is not None else ""
             self._end(request_id, reason or "stop", _with_text(out, token_ids, text, reason))
         else:
-            state.track.put(_with_text(out, token_ids, state.text.text if state.text is not None else "", None))
+            self._hand(state.track, _with_text(out, token_ids, state.text.text if state.text is not None else "", None))
 
     def _end(self, request_id: str, reason: str, item: RequestOutput | Exception | None) -> None:
         state = self._texts.pop(request_id, None)
@@ -355,13 +388,18 @@ class OutputThread:
             return
         self.metrics.record_finished(reason, time.monotonic() - state.track.arrival)
         if item is not None:
-            state.track.put(item)
+            self._hand(state.track, item)
 
     def _post_quietly(self, command: tuple) -> None:
         try:
             self.post_to_engine(command)
         except EngineUnavailable:  # the engine is gone and fails every request itself
             pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _with_text(out: RequestOutput, token_ids: list[int], text: str, finish_reason: str | None) -> RequestOutput:
