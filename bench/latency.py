@@ -83,6 +83,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     max_len = max([c for _, c in cases] + args.prefill_contexts) + args.decode_tokens + 16
     llm = LLM(args.config, load_format="dummy", max_model_len=max_len, max_num_seqs=max(b for b, _ in cases))
+    results["startup_s"] = llm.startup_seconds
+    log(f"engine start-up (weights, KV pool, warm-up, kernels, CUDA graphs): {llm.startup_seconds:.1f} s")
     llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     for batch, context in cases:
         compiled_before = len(WATCH.request_path_events())

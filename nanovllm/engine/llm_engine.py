@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,9 @@ class LLMEngine:
         watching = self.config.device != "cpu" and torch.cuda.is_available() and WATCH.install()
         if watching:
             WATCH.starting()
+        started = time.perf_counter()
         self.runner = ModelRunner(self.config, None if self.config.load_format == "dummy" else model_dir)
+        self.startup_seconds = time.perf_counter() - started  # weights, KV pool, warm-up, kernels, CUDA graphs
         if watching:
             WATCH.serving()
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.kvcache_block_size,
@@ -85,6 +88,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = eos_token_ids(model_dir, self.config.hf_config, self.tokenizer)
         self._log_kv_pool()
+        logger.info("engine ready: start-up (weights, KV pool, warm-up, kernels, CUDA graphs) took %.1f s",
+                    self.startup_seconds)
         self.requests: dict[str, RequestState] = {}
         self._by_seq_id: dict[int, tuple[RequestState, SampleState]] = {}
         self._ids = itertools.count()
