@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,3 +137,29 @@ def test_offload_host_bytes_reach_the_metrics(tiny_llama):
             assert [line for line in response.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
         metrics = parse_metrics(client.get("/metrics").text)
     assert metrics["nanovllm:host_kv_bytes_read_total"] == want.metrics.host_kv_bytes_read
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_drains_and_exits_0_without_a_traceback(tiny_llama, tmp_path, sig):
+    log = tmp_path / "server.log"
+    server = ServerProcess(tiny_llama, ["--device", "cpu"], log)
+    try:
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 3},
+                          timeout=60).status_code == 200
+        server.proc.send_signal(sig)
+        assert server.proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_server_that_cannot_bind_exits_1_and_ends_its_engine_process(tiny_llama, tmp_path):
+    first = ServerProcess(tiny_llama, ["--device", "cpu"], tmp_path / "first.log")
+    try:
+        second = subprocess.run([sys.executable, "-m", "nanovllm.cli", "serve", str(tiny_llama), "--device", "cpu",
+                                  "--port", str(first.port), "--log-level", "warning"],
+                                 capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1 and "address already in use" in second.stderr, second.stderr[-2000:]
+    finally:
+        first.stop()

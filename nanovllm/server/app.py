@@ -331,7 +331,10 @@ def serve(llm: LLM | EngineProcess, host: str, port: int, options: ServerOptions
                             timeout_keep_alive=options.timeout_keep_alive)
     uvicorn_server = _DrainingServer(config, server.engine)
     server.engine.on_fatal = lambda: setattr(uvicorn_server, "should_exit", True)
-    uvicorn_server.run()
+    try:
+        uvicorn_server.run()
+    finally:  # after a drain the engine has stopped already; after a second signal it must not be waited for
+        server.engine.core.kill()
     if server.engine.error is not None:
         print(f"error: the engine failed: {server.engine.error!r}", file=sys.stderr)
         sys.exit(1)
@@ -370,7 +373,8 @@ def api_key_from(option: str | None) -> str | None:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, plus: the first signal turns new generation requests (and /health) into 503;
-    a second one exits without waiting."""
+    a second one exits without waiting; after the drain the process exits with status 0 (uvicorn would
+    raise the signal again, and Ctrl-C would end in a KeyboardInterrupt traceback and status 1)."""
 
     def __init__(self, config, engine: AsyncEngine):
         super().__init__(config)
@@ -381,3 +385,11 @@ class _DrainingServer(uvicorn.Server):
         if self.should_exit:
             self.force_exit = True
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                getattr(self, "_captured_signals", []).clear()  # uvicorn 0.40's list of signals to raise again

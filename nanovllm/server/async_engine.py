@@ -60,6 +60,8 @@ class EngineCore(Protocol):
 
     def join(self, timeout: float | None = None) -> None: ...
 
+    def kill(self) -> None: ...
+
 
 @dataclass
 class _Track:

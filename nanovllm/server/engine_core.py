@@ -191,6 +191,9 @@ class ThreadCore:
         """Wait for the loop to end (stopped, or broken)."""
         self._thread.join(timeout)
 
+    def kill(self) -> None:
+        """Nothing to do: the loop's thread is a daemon and ends with the process."""
+
 
 # ---- the engine in its own process -----------------------------------------------------------
 
@@ -276,6 +279,14 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
+
+    def kill(self) -> None:
+        """End the engine process at once, if it still runs (a second signal, or a server that never
+        started): it ignores SIGTERM, and the interpreter's exit would wait for it."""
+        self._stopping = True
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the reader to end (the engine process stopped, or broke)."""
