@@ -5,7 +5,8 @@ the card holds beside the weights): time to first token, and ms per output token
 against the floor (weights + every sequence's KV read once per step, over the measured copy
 bandwidth). Prefill tokens/s at 8K and 32K against HF transformers' forward in the same process.
 
-    PYTHONPATH=. python3 bench/latency.py [--batches 1 32] [--contexts 1024 32768] [--decode-tokens 64]
+    PYTHONPATH=. python3 bench/latency.py [--cases 1x1024 1x32768 32x1024] [--prefill-contexts 8192 32768]
+        [--decode-tokens 64] [--skip-hf] [--sparse-policy full|xattention|quest|xattention+quest]
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--prefill-contexts", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--sparse-policy", default="full",
+                    help="the engine's sparse_policy (below sparse_min_context, 8192 by default, it must cost nothing)")
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
@@ -82,7 +85,9 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     max_len = max([c for _, c in cases] + args.prefill_contexts) + args.decode_tokens + 16
-    llm = LLM(args.config, load_format="dummy", max_model_len=max_len, max_num_seqs=max(b for b, _ in cases))
+    llm = LLM(args.config, load_format="dummy", max_model_len=max_len, max_num_seqs=max(b for b, _ in cases),
+              sparse_policy=args.sparse_policy)
+    results["sparse_policy"] = args.sparse_policy
     results["startup_s"] = llm.startup_seconds
     log(f"engine start-up (weights, KV pool, warm-up, kernels, CUDA graphs): {llm.startup_seconds:.1f} s")
     llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
