@@ -37,9 +37,27 @@ def engine_process(tiny_llama):
 
 
 def test_outputs_equal_the_engine_in_this_process(tiny_llama, engine_process):
+    assert_outputs_equal_the_engine_in_this_process(tiny_llama, engine_process, ENGINE)
+
+
+@pytest.mark.cuda
+def test_outputs_on_cuda_equal_the_engine_in_this_process(tiny_llama):
+    options = {**ENGINE, "device": "cuda"}
+    engine = EngineProcess(str(tiny_llama), **options)
+    try:
+        assert_outputs_equal_the_engine_in_this_process(tiny_llama, engine, options)
+    finally:
+        engine.stop(timeout=60)
+
+
+def assert_outputs_equal_the_engine_in_this_process(tiny_llama, engine: EngineProcess, options: dict) -> None:
+    """Greedy logprobs through the server (plain and streamed) equal LLM.generate's in this process."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    want = LLM(str(tiny_llama), **ENGINE).generate(PROMPTS, params, use_tqdm=False)
-    server = OpenAIServer(engine_process, ServerOptions(served_model_name="tiny"))
+    llm = LLM(str(tiny_llama), **options)
+    want = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.shutdown()
+    del llm
+    server = OpenAIServer(engine, ServerOptions(served_model_name="tiny"))
     with TestClient(server.app) as client:
         for prompt, expected in zip(PROMPTS, want):
             body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
