@@ -260,6 +260,8 @@ def test_metrics_are_prometheus_text(server):
 
     for _ in range(2):  # the chat template's system prompt fills a KV block: the second one hits the prefix cache
         assert post(server, "/v1/chat/completions", {"messages": CHATS[0], "max_tokens": 2}).status_code == 200
+    # one that ends in its first step still has its queue time recorded
+    assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
     m = server.wait_idle()
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
     kinds = {name: f.type for name, f in families.items()}

@@ -144,8 +144,8 @@ class EngineLoop:
         self._failed_steps_in_a_row = 0
         outputs = [out for out in outputs if out.request_id in self._live]
         for out in outputs:
-            if out.finished:
-                self._forget(out.request_id)
+            if out.finished:  # still unscheduled if this was its first step: _first_scheduled reports it
+                self._live.discard(out.request_id)
         return outputs
 
     def _first_scheduled(self) -> list[str]:
