@@ -183,7 +183,7 @@ def e2e_prefill(model: str, samples_file: str, num_prompts: int, threshold: floa
 
     samples = sorted(load_samples(samples_file), key=lambda s: -s["prompt_tokens"])[:num_prompts]
     engines = {name: LLM(model, sparse_policy=name, sparse_min_context=0, xattn_threshold=threshold,
-                         enable_prefix_caching=False) for name in ("full", "xattention")}
+                         enable_prefix_caching=False, num_gpu_blocks=256) for name in ("full", "xattention")}
     prompter = Prompter(engines["full"].tokenizer, "chat")
     prompts = [prompter.encode(s["prompt"]) for s in samples]  # as `nanovllm ruler` sends them
     first = SamplingParams(temperature=0, max_tokens=1)

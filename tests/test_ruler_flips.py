@@ -51,3 +51,5 @@ def test_command_prints_the_table_and_writes_compact_runs(tmp_path, capsys):
     assert "| b | 0 |" in capsys.readouterr().out
     kept = json.loads((tmp_path / "c" / "b.json").read_text())
     assert len(kept) == 2 and "prompt" not in kept[0]
+    main([str(tmp_path / "c" / "a.json"), str(tmp_path / "c" / "b.json"), "--names", "a", "b"])  # compact files read back
+    assert "| b | 0 |" in capsys.readouterr().out

@@ -54,8 +54,14 @@ class Flips:
         return abs(self.passed - reference_passed) <= MAX_PASS_DIFFERENCE and drift_ok
 
 
+def load_records(path: str | Path) -> list[dict]:
+    """The samples of a ruler.json, or of a compact file (a list of samples, as --compact writes)."""
+    data = json.loads(Path(path).read_text())
+    return data if isinstance(data, list) else data["samples"]
+
+
 def load_run(path: str | Path, name: str) -> Run:
-    return run_from_records(json.loads(Path(path).read_text())["samples"], name)
+    return run_from_records(load_records(path), name)
 
 
 def run_from_records(records: list[dict], name: str) -> Run:
@@ -100,8 +106,7 @@ def flip_table(reference: Run, runs: list[Run]) -> str:
 
 def compact(path: str | Path) -> list[dict]:
     """A run's per-sample results without the prompts."""
-    return [{k: v for k, v in r.items() if k != "prompt"}
-            for r in json.loads(Path(path).read_text())["samples"]]
+    return [{k: v for k, v in r.items() if k != "prompt"} for r in load_records(path)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.names or [p.parent.name or p.stem for p in paths]
     if len(names) != len(paths):
         raise SystemExit(f"--names: {len(paths)} names needed, got {len(names)}")
-    records = json.loads(args.reference.read_text())["samples"]
+    records = load_records(args.reference)
     reference = run_from_records(records, names[0])
     runs = [load_run(p, n) for p, n in zip(args.runs, names[1:])]
     hf = hf_run(records)
