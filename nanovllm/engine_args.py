@@ -16,8 +16,8 @@ _HELP = {
     "xattn_threshold": "XAttention: per KV head, the fewest blocks covering this share of the estimated mass",
     "xattn_stride": "XAttention: antidiagonal stride of the estimate",
     "xattn_block_size": "XAttention: query/key block in tokens",
-    "xattn_cover": "XAttention: group (a KV head's query heads' summed mass covers the threshold) or head (each "
-                   "query head covers it; the KV head keeps the union)",
+    "xattn_cover": "XAttention: head (each query head covers the threshold; the KV head keeps the union; default) "
+                   "or group (a KV head's query heads' summed mass covers it)",
     "quest_token_budget": "Quest: KV tokens each KV head reads per decode step, besides the sink and recent blocks",
     "quest_dense_layers": "Quest: the first N layers stay dense",
     "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",

@@ -44,6 +44,19 @@ def test_hooks_found_at_install_are_still_called(monkeypatch):
     assert seen == ["before", "after"] and len(watch.events) == 1
 
 
+def test_events_name_what_the_variant_is_specialised_on():
+    """Triton 3.6's repr lists the arguments as "q_ptr: ()"; the event takes them from the compile keywords."""
+    watch = CompileWatch()
+    compile = {"signature": {"q_ptr": "*bf16", "n": "i32"}, "constants": {"INDEXED": True},
+               "configs": [{(1,): [["tt.divisibility", 16]]}]}
+    watch._before(repr="_decode_kernel[num_warps=4](q_ptr: ()", key=None)
+    watch._after(repr="_decode_kernel[num_warps=4](q_ptr: ()", fn=SimpleNamespace(name="_decode_kernel"),
+                 key=None, compile=compile)
+    signature = watch.events[0].signature
+    assert signature.startswith("_decode_kernel[num_warps=4](") and "'n': 'i32'" in signature
+    assert "'INDEXED': True" in signature and "tt.divisibility" in signature
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_compilation_on_the_request_path(tiny_llama):

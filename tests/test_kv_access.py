@@ -272,3 +272,40 @@ def test_step_plans_are_plain_and_picklable(tiny_llama):
         assert copy == p
         assert all(b < HOST_BASE for t in p.block_tables for b in t)  # ids within their pool, never encoded
         assert len(p.on_host) == len(p.block_tables) == len(p.query_lens)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["xattention", "quest"])
+def test_sparse_prefill_layer_makes_no_host_sync(policy):
+    """A sparse layer of a mixed step (a prefill chunk beside a decode row) queues its work without reading
+    anything back from the device: a sync per layer left the GPU idle while the host built the next one."""
+    from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
+
+    device, bs, blocks = torch.device("cuda"), 64, 40
+    cache = PagedKVCache(1, blocks, bs, HK, 64, torch.bfloat16, device)
+    cache.data.normal_()
+    if policy == "quest":
+        bounds = BlockKeyBounds(1, blocks, 0, bs, HK, 64, device, page_size=16, dtype=torch.bfloat16)
+        cache.hooks.append(bounds)
+        selector = QuestSelector(bounds, token_budget=2 * bs, dense_layers=0, min_context=0)
+    else:
+        selector = XAttentionSelector(cache, None, threshold=0.5, stride=8, block_size=64, min_context=0)
+    backend = get_attention_backend("triton")
+    query_lens, seq_lens = [200, 1], [700, 900]
+    tables = [list(range(11)), list(range(11, 26))]
+    slots = [tables[0][p // bs] * bs + p % bs for p in range(500, 700)] + [tables[1][899 // bs] * bs + 899 % bs]
+    q, k, v = (torch.randn(201, h, 64, device=device, dtype=torch.bfloat16) for h in (HK * GROUP, HK, HK))
+    for check in (False, True):  # the first call compiles the kernels
+        stats = SparseStats(2)
+        kv = DeviceKV(cache, backend, backend.build_metadata(query_lens, seq_lens, tables, slots, bs, device),
+                      selector, stats)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if check else 0)
+        try:
+            kv.attend(0, q, k, v, 0.125)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        stats.resolve()
+        narrowed = stats.decode[1] if policy == "quest" else stats.prefill[0]  # Quest narrows decode rows only
+        assert 0 < narrowed[0] < narrowed[1]

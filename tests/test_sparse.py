@@ -348,7 +348,8 @@ def test_xattention_offload_prefill_copies_all_keys_once_and_only_selected_value
     schedule = dict(max_num_batched_tokens=16, max_num_seqs=1, num_gpu_blocks=8, enable_cpu_offload=True,
                     cpu_kv_cache_gb=0.01)
     prompt, first_token = PROMPTS[0] + PROMPTS[2], SamplingParams(temperature=0, max_tokens=1)
-    llm = xattn_llm(tiny_llama, xattn_threshold=threshold, **schedule)
+    # cover "group": on this tiny model some query head of each group wants every block at 0.8 ("head")
+    llm = xattn_llm(tiny_llama, xattn_threshold=threshold, xattn_cover="group", **schedule)
     selector, calls = llm.runner.worker.selector, []
     select = selector.select
 
@@ -389,6 +390,7 @@ def test_xattention_head_cover_is_the_union_of_single_head_groups():
     g = torch.Generator().manual_seed(96)
     keys, q = torch.randn(96, 2, 16, generator=g) * 2, torch.randn(96, 4, 16, generator=g) * 2
     head = XAttentionSelector(None, None, 0.8, 4, 16, 0, cover="head").sequence_selection(q, keys, 16)
-    single = XAttentionSelector(None, None, 0.8, 4, 16, 0).sequence_selection(q, keys.repeat_interleave(2, 1), 16)
+    group = XAttentionSelector(None, None, 0.8, 4, 16, 0, cover="group")
+    single = group.sequence_selection(q, keys.repeat_interleave(2, 1), 16)
     assert torch.equal(head, single.view(2, 2, *single.shape[1:]).any(1))
-    assert not torch.equal(head, XAttentionSelector(None, None, 0.8, 4, 16, 0).sequence_selection(q, keys, 16))
+    assert not torch.equal(head, group.sequence_selection(q, keys, 16))

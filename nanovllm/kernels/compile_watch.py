@@ -67,12 +67,23 @@ class CompileWatch:
 
     def _after(self, *, repr: str, fn, **kwargs):  # noqa: A002
         seconds = time.perf_counter() - self._started.pop(repr, time.perf_counter())
-        event = CompileEvent(fn.name, repr, seconds, self.on_request_path)
+        event = CompileEvent(fn.name, describe(repr, kwargs.get("compile")), seconds, self.on_request_path)
         self.events.append(event)
         if event.on_request_path:
             logger.warning("Triton compiled %s on the request path in %.0f ms: %s", fn.name, 1e3 * seconds, repr)
         previous = self._chained[1] if self._chained else None
         return previous(repr=repr, fn=fn, **kwargs) if previous else None
+
+
+def describe(repr: str, compile: dict | None) -> str:  # noqa: A002
+    """Launch options and what the variant is specialised on. Triton 3.6's own repr lists the arguments
+    wrongly ("q_ptr: ()"), so the argument types, constexpr values and integer/pointer specialisations
+    (divisible by 16, equal to 1) come from the compile keywords."""
+    if not compile:
+        return repr
+    configs = compile.get("configs") or [{}]
+    return (f"{repr.split('](')[0]}](signature={compile.get('signature')}, constants={compile.get('constants')}, "
+            f"specialisation={configs[0]})")
 
 
 WATCH = CompileWatch()

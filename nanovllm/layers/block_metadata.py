@@ -62,7 +62,7 @@ class BlockKeyBounds:
         pages = self._pages(blocks)
         if not on_host or not any(on_host):
             return self.min[layer].index_select(0, pages), self.max[layer].index_select(0, pages)
-        host = torch.tensor(on_host).repeat_interleave(self.pages_per_block).to(pages.device)[:, None, None]
+        host = torch.tensor(on_host).repeat_interleave(self.pages_per_block).to(pages.device, non_blocking=True)[:, None, None]
         device_rows, host_rows = torch.where(host[:, 0, 0], 0, pages), torch.where(host[:, 0, 0], pages, 0)
         lo = torch.where(host, self.host_min[layer].index_select(0, host_rows), self.min[layer].index_select(0, device_rows))
         hi = torch.where(host, self.host_max[layer].index_select(0, host_rows), self.max[layer].index_select(0, device_rows))

@@ -148,7 +148,7 @@ def with_query_blocks(selection: Selection, batch: SelectionInput) -> Selection:
         if mask.dim() == 2:
             mask[:, first:] = True
         else:
-            mask[:, torch.arange(n - first), torch.arange(first, n)] = True
+            mask[:, torch.arange(n - first, device=mask.device), torch.arange(first, n, device=mask.device)] = True
         masks.append(mask)
     return masks
 
@@ -163,6 +163,7 @@ class SparseStats:
         self.decode = [[0, 0] for _ in range(num_seqs)]
         self.host_bytes = [0] * num_seqs
         self._on_device: list[tuple[torch.Tensor, int]] = []  # ([B, 2] kept pairs, host pairs; bytes per host pair)
+        self._attended: list[tuple[list, int, torch.Tensor]] = []  # (prefill or decode, sequence, pairs on the device)
 
     def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int) -> None:
         """Count a device-side decode selection without a sync (added up by resolve())."""
@@ -174,6 +175,10 @@ class SparseStats:
 
     def resolve(self) -> int:
         """Add the device-side counts in (one sync); returns the host bytes they read."""
+        if self._attended:
+            for (counts, i, _), pairs in zip(self._attended, torch.stack([a for *_, a in self._attended]).tolist()):
+                counts[i][0] += pairs
+            self._attended.clear()
         total = 0
         for counts, per_pair in self._on_device:
             for i, (kept, host_pairs) in enumerate(counts.tolist()):
@@ -187,24 +192,28 @@ class SparseStats:
         for i in range(len(batch.seq_lens)):
             n, first = batch.num_blocks(i), batch.first_query_block(i)
             if batch.query_lens[i] == 1:
-                kept = n * num_kv_heads if selection is None else int(selection[i].sum())
-                self.decode[i][0] += kept
-                self.decode[i][1] += n * num_kv_heads
-                continue
-            visible = sum(range(first + 1, n + 1)) * num_kv_heads  # query block b sees KV blocks 0..b
-            self.prefill[i][0] += visible if selection is None else prefill_pairs(selection[i], first, n)
-            self.prefill[i][1] += visible
+                counts, present = self.decode, n * num_kv_heads
+                attended = None if selection is None else selection[i].sum()
+            else:
+                counts, present = self.prefill, sum(range(first + 1, n + 1)) * num_kv_heads  # block b sees 0..b
+                attended = None if selection is None else prefill_pairs(selection[i], first, n)
+            counts[i][1] += present
+            if attended is None:
+                counts[i][0] += present
+            else:  # counted on the device, read once per step by resolve(): no sync per layer
+                self._attended.append((counts, i, attended.to(torch.int64)))
 
 
-def prefill_pairs(mask: torch.Tensor, first: int, n: int) -> int:
-    """(query block, KV block) pairs a prefill mask attends, over the query blocks first..n-1 (block b sees
-    KV blocks 0..b): a [Hk, blocks] mask is shared by every query block, [Hk, query blocks, blocks] is not."""
+def prefill_pairs(mask: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """(query block, KV block) pairs a prefill mask attends (a 0-dim tensor on the mask's device), over the
+    query blocks first..n-1 (block b sees KV blocks 0..b): a [Hk, blocks] mask is shared by every query
+    block, [Hk, query blocks, blocks] is not."""
     columns = torch.arange(n, device=mask.device)
     if mask.dim() == 2:
         rows_seeing = (n - torch.clamp(columns, min=first)).to(torch.int64)  # query blocks >= max(c, first)
-        return int((mask.to(torch.int64) * rows_seeing).sum())
+        return (mask.to(torch.int64) * rows_seeing).sum()
     causal = columns[None, :] <= (first + torch.arange(n - first, device=mask.device))[:, None]
-    return int((mask & causal).sum())
+    return (mask & causal).sum()
 
 
 _SELECTORS: dict[str, type[BlockSelector]] = {}

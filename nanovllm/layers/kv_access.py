@@ -140,9 +140,13 @@ class QueryGroups:
 
     seq: list[int]
     count: list[int]
-    end: torch.Tensor  # [G] int64
+    ends: list[int]  # end of each group, on the host
+    end: torch.Tensor  # [G] int64, the same on the mask's device
     visible: torch.Tensor  # [G] int64, blocks up to end
     mask: torch.Tensor  # [G, Hk, max blocks] bool
+
+    def visible_blocks(self, block_size: int) -> list[int]:
+        return [-(-e // block_size) for e in self.ends]
 
     def pool_ids(self, per_sequence: list[torch.Tensor]) -> torch.Tensor:
         """[G, max blocks]: each group's row of per_sequence[seq] (block c -> id in a pool, -1: not there)."""
@@ -178,8 +182,8 @@ def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
     for m in masks:
         padded[row : row + m.shape[0], :, : m.shape[-1]] = m
         row += m.shape[0]
-    end = torch.tensor(ends, dtype=torch.int64, device=device)
-    return QueryGroups(seqs, counts, end, -(-end // batch.block_size), padded)
+    end = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)
+    return QueryGroups(seqs, counts, ends, end, -(-end // batch.block_size), padded)
 
 
 def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: torch.Tensor, block_size: int,
@@ -187,15 +191,17 @@ def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: tor
     """Per-KV-head metadata, one "sequence" per group, over the blocks each head attends that pool_ids
     [G, blocks] names in the pool at hand (-1: not in that pool). causal: dropped blocks are full and
     precede the group's queries, so compacting them away keeps the mask right; else the kept blocks are
-    history. Built with tensor operations (no loop over blocks)."""
+    history. Built with tensor operations (no loop over blocks) and without a sync: the tables' width and
+    the lengths' bounds come from the groups' ends, known on the host."""
     keep = groups.mask & (pool_ids >= 0)[:, None, :]
     kept = keep.sum(-1)  # [G, Hk]
     order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # kept blocks first, in order
-    width = max(1, int(kept.max()) if kept.numel() else 1)
+    visible = groups.visible_blocks(block_size)
+    width = max(1, min(keep.shape[-1], max(visible, default=1)))
     tables = pool_ids[:, None, :].expand_as(keep).gather(-1, order[..., :width])
     tables = torch.where(torch.arange(width, device=keep.device) < kept[..., None], tables, -1)
     if causal:
-        lengths = groups.end[:, None] - (groups.visible[:, None] - kept) * block_size
+        lengths, bounds = groups.end[:, None] - (groups.visible[:, None] - kept) * block_size, groups.ends
     else:
-        lengths = kept * block_size
-    return backend.build_head_metadata(groups.count, lengths, tables, block_size, device)
+        lengths, bounds = kept * block_size, [v * block_size for v in visible]
+    return backend.build_head_metadata(groups.count, lengths, tables, block_size, device, max_seq_lens=bounds)

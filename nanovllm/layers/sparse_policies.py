@@ -50,13 +50,13 @@ class QuestSelector(BlockSelector):
         masks, sparse = [], False
         for i in range(len(batch.seq_lens)):
             n = batch.num_blocks(i)
-            keep = torch.ones(num_kv_heads, n, dtype=torch.bool)
+            keep = torch.ones(num_kv_heads, n, dtype=torch.bool, device=q.device)
             fixed = self.sink_blocks + self.recent_blocks
             if batch.query_lens[i] == 1 and batch.seq_lens[i] >= self.min_context and n > budget + fixed:
                 scores = self.block_scores(layer, q[batch.query_rows(i)][0], num_kv_heads, batch, i)
                 middle = scores[:, self.sink_blocks : n - self.recent_blocks]
                 keep[:, self.sink_blocks : n - self.recent_blocks] = False
-                keep.scatter_(1, middle.topk(budget, dim=1).indices.cpu() + self.sink_blocks, True)
+                keep.scatter_(1, middle.topk(budget, dim=1).indices + self.sink_blocks, True)
                 sparse = True
             masks.append(keep)
         return masks if sparse else None
@@ -154,7 +154,7 @@ class XAttentionSelector(BlockSelector):
     name = "xattention"
 
     def __init__(self, cache: PagedKVCache, host_pool, threshold: float, stride: int, block_size: int,
-                 min_context: int, cover: str = "group"):
+                 min_context: int, cover: str = "head"):
         """host_pool: the offload pool (read_keys), or None. cover "group": the summed mass of a KV head's
         query heads covers the threshold; "head": each query head's own mass does, and the KV head keeps the
         union of its query heads' blocks (a head attending elsewhere than its group keeps its blocks)."""
@@ -183,7 +183,7 @@ class XAttentionSelector(BlockSelector):
         flags = batch.on_host[i][:n] if batch.on_host else [False] * n
         k_cache = self.cache.layer(layer)[0]
         device_ids = [0 if host else b for b, host in zip(table[:n], flags)]
-        blocks = k_cache.index_select(0, torch.tensor(device_ids, dtype=torch.int64).to(k_cache.device))
+        blocks = k_cache.index_select(0, torch.tensor(device_ids, dtype=torch.int64).to(k_cache.device, non_blocking=True))
         host = [c for c in range(n) if flags[c]]
         if host:
             blocks[host] = self.host_pool.read_keys(layer, [table[c] for c in host], k_cache.device)
@@ -305,7 +305,8 @@ class PrefillDecodeSelector(BlockSelector):
         by_decode = self.decode.select(layer, q, num_kv_heads, batch)
         if by_prefill is None and by_decode is None:
             return None
-        ones = [torch.ones(num_kv_heads, batch.num_blocks(i), dtype=torch.bool) for i in range(len(batch.seq_lens))]
+        ones = [torch.ones(num_kv_heads, batch.num_blocks(i), dtype=torch.bool, device=q.device)
+                for i in range(len(batch.seq_lens))]
         by_prefill, by_decode = by_prefill or ones, by_decode or ones
         return [d if n == 1 else p for p, d, n in zip(by_prefill, by_decode, batch.query_lens)]
 
