@@ -36,14 +36,22 @@ class StepWork:
                 for seq_id, flags in zip(plan.seq_ids, plan.on_host) if any(flags)}
 
     def fixed(self, plan: StepPlan, dense_selector: bool) -> dict[int, SeqStepStats]:
-        """A dense decode step with fixed plans (graphs, staged copies), or any step of a dense selector;
-        under a sparse policy such a decode step counts as reading every block (density 1)."""
+        """A dense step with fixed plans (graphs, staged copies, a step the selector leaves dense), or any
+        step of a dense selector; under a sparse policy such a step counts as attending to every block
+        (density 1), as SparseStats counts a selection that keeps them all."""
         stats = self.dense(plan)
-        if dense_selector or max(plan.query_lens) > 1:
+        if dense_selector:
             return stats
-        for seq_id, n in zip(plan.seq_ids, plan.seq_lens):
-            stats[seq_id] = replace(stats.get(seq_id, SeqStepStats()), decode=(self._blocks(n),) * 2)
+        for seq_id, q, n in zip(plan.seq_ids, plan.query_lens, plan.seq_lens):
+            work = {"decode": (self._blocks(n),) * 2} if q == 1 else {"prefill": (self._visible_pairs(q, n),) * 2}
+            stats[seq_id] = replace(stats.get(seq_id, SeqStepStats()), **work)
         return stats
+
+    def _visible_pairs(self, query_len: int, seq_len: int) -> int:
+        """Causal (query block, KV block) pairs of a prefill row, over every layer and KV head: query
+        block b (from the first holding a new token) sees KV blocks 0..b."""
+        first, n = (seq_len - query_len) // self.block_size, -(-seq_len // self.block_size)
+        return (first + 1 + n) * (n - first) // 2 * self.num_layers * self.num_kv_heads
 
     @staticmethod
     def sparse(plan: StepPlan, sparse: SparseStats) -> dict[int, SeqStepStats]:

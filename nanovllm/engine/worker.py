@@ -26,7 +26,7 @@ from nanovllm.engine.step_plan import StepPlan, WorkerLimits
 from nanovllm.engine.step_stats import SeqStepStats, StepWork
 from nanovllm.engine.warm_up import compile_step_variants
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
-from nanovllm.layers.block_selector import BlockSelector, SparseStats
+from nanovllm.layers.block_selector import BlockSelector, DenseSelector, SparseStats
 from nanovllm.layers.fused_ops import get_layer_ops
 from nanovllm.layers.kv_access import DeviceKV, KVAccess
 from nanovllm.layers.sampler import logprob_entries, sample, sample_on_device
@@ -39,6 +39,9 @@ class StepOutput:
     sampled: dict[int, tuple[int, dict[int, float] | None]]  # seq_id -> (token, logprobs)
     prompt_logprobs: dict[int, list[dict[int, float]]]  # seq_id -> entries for this step's prompt rows
     stats: dict[int, SeqStepStats] = field(default_factory=dict)  # seq_id -> work, where there is any to report
+
+
+DENSE = DenseSelector()
 
 
 class Worker:
@@ -199,6 +202,7 @@ class Worker:
             self.generators.pop(seq_id, None)
         if plan.offloads:
             self.kv_cache.moved_to_host(plan.offloads)
+        self.selector.before_step(plan)
         if plan.narrowed:
             return self._narrowed_logits(plan), {}, self.work.narrowed(plan, self.narrowed.read_counts(len(plan.seq_ids)))
         if plan.graph_batch is not None:
@@ -209,8 +213,9 @@ class Worker:
             logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, mode)
             return logits, {}, self.work.fixed(plan, self.selector.dense)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
-        sparse = None if self.selector.dense else SparseStats(len(plan.seq_lens))
-        kv = self._kv_access(plan, sparse)
+        selector = self._step_selector(plan)
+        sparse = None if selector.dense else SparseStats(len(plan.seq_lens))
+        kv = self._kv_access(plan, selector, sparse)
         ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
         hidden = self.model(ids, as_tensor(plan.positions), kv)
         prompt_logprobs = self._prompt_logprobs(hidden, plan)
@@ -238,7 +243,17 @@ class Worker:
         ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
         return self.model.compute_logits(self.model(ids, as_tensor(plan.positions), self.narrowed.kv(meta)))
 
-    def _kv_access(self, plan: StepPlan, stats: SparseStats | None) -> KVAccess:
+    def _step_selector(self, plan: StepPlan) -> BlockSelector:
+        """A dense selector for a step the selector leaves dense (the same work as sparse_policy "full"),
+        except where offload's split path would then copy the host blocks of the layers the pool mirrors."""
+        if self.selector.dense or not self.selector.dense_for_step(self.block_size, plan.query_lens, plan.seq_lens):
+            return self.selector
+        mirrored = self.host_pool is not None and self.host_pool.mirrored_layers > 0
+        if mirrored and (plan.has_host_blocks or plan.offloads) and plan.staged_copies is None:
+            return self.selector
+        return DENSE
+
+    def _kv_access(self, plan: StepPlan, selector: BlockSelector, stats: SparseStats | None) -> KVAccess:
         def meta(tables: list[list[int]]) -> AttentionMetadata:
             return self.backend.build_metadata(plan.query_lens, plan.seq_lens, tables, plan.slots, self.block_size,
                                                self.device)
@@ -246,12 +261,12 @@ class Worker:
         if self.host_pool is None or not (plan.has_host_blocks or plan.offloads or plan.staged_copies):
             if plan.staged_copies is not None:  # [] : nothing to stage, but the moves are due
                 self.staged.set_step([], plan.offloads)
-            return DeviceKV(self.kv_cache, self.backend, meta(plan.block_tables), self.selector, stats)
+            return DeviceKV(self.kv_cache, self.backend, meta(plan.block_tables), selector, stats)
         if plan.staged_copies is not None:
             self.staged.set_step(plan.staged_copies, plan.offloads)
             return StagedKV(self.kv_cache, self.backend, meta(ring_tables(plan.block_tables, plan.on_host)), self.staged)
         slots = torch.tensor(plan.slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        kv = offload_kv_access(self.host_pool, self.kv_cache, self.backend, plan, slots, self.selector, stats)
+        kv = offload_kv_access(self.host_pool, self.kv_cache, self.backend, plan, slots, selector, stats)
         kv.begin()
         return kv
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nanovllm.engine.step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,14 @@ class BlockSelector(ABC):
     @abstractmethod
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         """q: [T, Hq, D] this layer's queries (post-RoPE). None: every block of every sequence."""
+
+    def dense_for_step(self, block_size: int, query_lens: list[int], seq_lens: list[int]) -> bool:
+        """True when a step of rows with these new tokens and KV lengths is known on the host to attend to
+        every block in every layer: the step then runs as under a dense selector (no selection, no counts)."""
+        return self.dense
+
+    def before_step(self, plan: StepPlan) -> None:
+        """Host-side preparation of a step's selections before its forward pass (e.g. metadata they read)."""
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         """True when a decode step of sequences with these KV lengths is known on the host to attend to

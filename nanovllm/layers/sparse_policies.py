@@ -1,7 +1,7 @@
 """Block-sparse attention policies: block selectors built from the engine's sparse options.
 
 - `QuestSelector` (decode): per 16-token page, the elementwise min and max of its keys (kept through
-  the KV-write hook, `BlockKeyBounds`) bound every query's score on the page from above:
+  lazily from the cache, `BlockKeyBounds`) bound every query's score on the page from above:
   sum_d max(q_d * max_d, q_d * min_d). A block's bound is its pages' maximum, a KV head's the maximum
   over its query heads; each KV head reads its top blocks within `token_budget` tokens plus the sink
   block and the most recent block. The first `dense_layers` layers, prefill rows and sequences shorter
@@ -15,6 +15,9 @@
   K (never V) is read for the estimate. Selections are made at max(block_size, KV block) tokens.
 - `build_sparse_policy` maps `sparse_policy` ("full", "quest", ...) to a selector and registers the
   metadata hooks it needs on the KV cache.
+
+Steps in which no row can drop a block (`dense_for_step`: every sequence below min_context) run as under
+"full": no selection, no counts, and Quest fills no key bounds.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, DenseSel
 if TYPE_CHECKING:
     from nanovllm.config import EngineConfig
     from nanovllm.engine.kv_cache import PagedKVCache
+    from nanovllm.engine.step_plan import StepPlan
 
 QUEST_PAGE_SIZE = 16
 ESTIMATE_CHUNK = 8192  # XAttention's estimate takes queries in chunks of about this many tokens
@@ -42,6 +46,8 @@ class QuestSelector(BlockSelector):
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks = sink_blocks, recent_blocks
+        if bounds.keys is not None and recent_blocks < 1:
+            raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
 
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         if layer < self.dense_layers:
@@ -68,6 +74,28 @@ class QuestSelector(BlockSelector):
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return not any(self.sparse_rows(block_size, seq_lens))
+
+    def dense_for_step(self, block_size: int, query_lens: list[int], seq_lens: list[int]) -> bool:
+        sparse = self.sparse_rows(block_size, seq_lens)
+        return not any(s and q == 1 for s, q in zip(sparse, query_lens))
+
+    def before_step(self, plan: StepPlan) -> None:
+        """Lazily filled bounds: the step's written blocks are stale, and the full blocks of its sparse decode
+        rows get exact bounds (each block's once; the most recent block, the only one not full, is always
+        kept, so its bounds are never read)."""
+        if self.bounds.keys is None:
+            return
+        # a prefill row of a sequence may be its recompute after a preemption: its blocks are checked afresh
+        self.bounds.forget(plan.released + [i for i, q in zip(plan.seq_ids, plan.query_lens) if q > 1])
+        bs = self.bounds.block_size
+        written = [b for table, q, n in zip(plan.block_tables, plan.query_lens, plan.seq_lens)
+                   for b in table[(n - q) // bs : -(-n // bs)]]
+        self.bounds.written(written)
+        sparse = self.sparse_rows(bs, plan.seq_lens)
+        for i, (seq_id, q, n) in enumerate(zip(plan.seq_ids, plan.query_lens, plan.seq_lens)):
+            if sparse[i] and q == 1:
+                full = (n - 1) // bs
+                self.bounds.fill(seq_id, plan.block_tables[i][:full], plan.on_host[i] if plan.on_host else None)
 
     def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
                     layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
@@ -164,6 +192,9 @@ class XAttentionSelector(BlockSelector):
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return True  # a prefill policy: decode rows attend to every block
+
+    def dense_for_step(self, block_size: int, query_lens: list[int], seq_lens: list[int]) -> bool:
+        return all(q == 1 or n < self.min_context for q, n in zip(query_lens, seq_lens))
 
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         masks, sparse = [], False
@@ -285,6 +316,13 @@ class PrefillDecodeSelector(BlockSelector):
     def dense_for_decode(self, block_size, seq_lens) -> bool:
         return self.decode.dense_for_decode(block_size, seq_lens)
 
+    def dense_for_step(self, block_size, query_lens, seq_lens) -> bool:
+        return all(s.dense_for_step(block_size, query_lens, seq_lens) for s in (self.prefill, self.decode))
+
+    def before_step(self, plan) -> None:
+        self.prefill.before_step(plan)
+        self.decode.before_step(plan)
+
     def decode_keep(self, layer, q, num_kv_heads, layout):
         return self.decode.decode_keep(layer, q, num_kv_heads, layout)  # prefill policies keep decode rows whole
 
@@ -321,7 +359,7 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
         _, num_layers, num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
         bounds = BlockKeyBounds(num_layers, num_blocks, host_pool.num_host_blocks if host_pool else 0, block_size,
                                 num_kv_heads, head_dim, cache.data.device, page_size=min(QUEST_PAGE_SIZE, block_size),
-                                dtype=cache.data.dtype)
+                                dtype=cache.data.dtype, keys=cache.data[0])
         cache.hooks.append(bounds)
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
                                            config.sparse_min_context)
