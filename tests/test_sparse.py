@@ -394,3 +394,35 @@ def test_xattention_head_cover_is_the_union_of_single_head_groups():
     single = group.sequence_selection(q, keys.repeat_interleave(2, 1), 16)
     assert torch.equal(head, single.view(2, 2, *single.shape[1:]).any(1))
     assert not torch.equal(head, group.sequence_selection(q, keys, 16))
+
+
+def test_sparse_offload_steps_dense_for_the_step_plan_their_host_pieces_once(tmp_path):
+    """A prefill step under Quest (a decode policy) reads every host block in every layer: its copies are
+    planned once for the step and prefetched like dense offload's, not planned again in each layer; the
+    tokens and the host bytes equal dense offload's."""
+    from conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "four_layers", "llama", num_hidden_layers=4)
+    options = dict(kvcache_block_size=BS, device="cpu", num_gpu_blocks=6, enable_cpu_offload=True,
+                   cpu_kv_cache_gb=0.01, max_num_batched_tokens=32)
+    prompt, first_token = list(range(1, 150)), SamplingParams(temperature=0, max_tokens=1)
+    sparse = LLM(str(path), sparse_policy="quest", sparse_min_context=0, quest_token_budget=BS,
+                 quest_dense_layers=0, **options)
+    worker, per_step = sparse.runner.worker, []
+    build, logits = worker.backend.build_metadata, worker._logits
+
+    def counting_build(*args, **kwargs):
+        per_step[-1] += 1
+        return build(*args, **kwargs)
+
+    def counting_logits(plan):
+        per_step.append(0)
+        return logits(plan)
+
+    worker.backend.build_metadata, worker._logits = counting_build, counting_logits
+    got = sparse.generate([prompt], first_token, use_tqdm=False)[0]
+    assert len(per_step) > 2 and max(per_step) <= 2  # the device blocks' metadata and the host pieces'
+    dense = LLM(str(path), **options)
+    want = dense.generate([prompt], first_token, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids
+    assert got.metrics.host_kv_bytes_read == want.metrics.host_kv_bytes_read == sparse.runner.host_pool.stats.h2d_bytes

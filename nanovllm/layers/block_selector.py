@@ -32,9 +32,9 @@ class SelectionInput:
     block_tables: list[list[int]]
     on_host: list[list[bool]] | None = None
     stats: SparseStats | None = None  # where a selector counts host KV it reads for its estimate
-    # host block id -> its keys [block_size, Hk, D] on the device, read by the selector for this layer's
-    # estimate (the strategy then copies only their values); None: the strategy does not reuse them
-    host_keys: dict[int, torch.Tensor] | None = None
+    # host blocks' keys on the device, read by the selector for this layer's estimate (the strategy then
+    # copies only their values); None: the strategy does not reuse them
+    host_keys: HostKeys | None = None
 
     def num_blocks(self, i: int) -> int:
         return -(-self.seq_lens[i] // self.block_size)
@@ -46,6 +46,33 @@ class SelectionInput:
     def query_rows(self, i: int) -> slice:
         start = sum(self.query_lens[:i])
         return slice(start, start + self.query_lens[i])
+
+
+class HostKeys:
+    """Host blocks' K that a selector read to the device for one layer: per read, the host ids and their
+    keys [n, block_size, Hk, D] as one tensor (no per-block views)."""
+
+    def __init__(self):
+        self.reads: list[tuple[list[int], torch.Tensor]] = []
+        self.row: dict[int, int] = {}  # host id -> row of the reads' keys concatenated
+
+    def add(self, blocks: list[int], keys: torch.Tensor) -> None:
+        base = len(self.row)
+        self.row.update((b, base + j) for j, b in enumerate(blocks))
+        self.reads.append((blocks, keys))
+
+    def clear(self) -> None:
+        self.reads.clear()
+        self.row.clear()
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.row
+
+    def gather(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), block_size, Hk, D]: the keys of these host blocks (all read), in order."""
+        keys = self.reads[0][1] if len(self.reads) == 1 else torch.cat([k for _, k in self.reads])
+        rows = torch.tensor([self.row[b] for b in blocks], dtype=torch.int64)
+        return keys.index_select(0, rows.to(keys.device, non_blocking=True))
 
 
 Selection = list[torch.Tensor]  # per sequence: bool [Hk, blocks] or [Hk, query blocks, blocks], True = attend
@@ -106,7 +133,8 @@ class BlockSelector(ABC):
 
     def dense_for_step(self, block_size: int, query_lens: list[int], seq_lens: list[int]) -> bool:
         """True when a step of rows with these new tokens and KV lengths is known on the host to attend to
-        every block in every layer: the step then runs as under a dense selector (no selection, no counts)."""
+        every block in every layer: the step then runs as under a dense selector (no selection, no counts),
+        and offload strategies plan and prefetch its copies once, as a dense selector's."""
         return self.dense
 
     def before_step(self, plan: StepPlan) -> None:

@@ -217,9 +217,11 @@ class XAttentionSelector(BlockSelector):
         blocks = k_cache.index_select(0, torch.tensor(device_ids, dtype=torch.int64).to(k_cache.device, non_blocking=True))
         host = [c for c in range(n) if flags[c]]
         if host:
-            blocks[host] = self.host_pool.read_keys(layer, [table[c] for c in host], k_cache.device)
+            host_ids = [table[c] for c in host]
+            keys = self.host_pool.read_keys(layer, host_ids, k_cache.device)
+            blocks.index_copy_(0, torch.tensor(host, dtype=torch.int64).to(k_cache.device, non_blocking=True), keys)
             if batch.host_keys is not None:
-                batch.host_keys.update({table[c]: blocks[c] for c in host})
+                batch.host_keys.add(host_ids, keys)
             if batch.stats is not None:
                 batch.stats.host_bytes[i] += len(host) * self.host_pool.block_bytes_per_layer // 2
         return blocks.flatten(0, 1)[: batch.seq_lens[i]]

@@ -33,6 +33,13 @@ def consecutive_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]
     return [tuple(r) for r in runs]
 
 
+def run_indices(runs: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src start, dst start, n) runs -> (src, dst) block indices on device."""
+    pairs = torch.tensor([(src + j, dst + j) for src, dst, n in runs for j in range(n)], dtype=torch.int64)
+    pairs = pairs.view(-1, 2).to(device, non_blocking=True)
+    return pairs[:, 0], pairs[:, 1]
+
+
 @dataclass
 class TransferStats:
     h2d_bytes: int = 0
@@ -66,6 +73,7 @@ class HostKVPool:
         self.d2h_stream = torch.cuda.Stream(self.device) if pin else None
         self.last_d2h: torch.cuda.Event | None = None  # the previous step's last device->host copy
         self.stats = TransferStats()
+        self.block_bytes_per_layer = self.host[:, 0, 0].numel() * self.host.element_size()
 
     @property
     def cuda(self) -> bool:
@@ -79,20 +87,16 @@ class HostKVPool:
     def num_host_blocks(self) -> int:
         return self.host.shape[2]
 
-    @property
-    def block_bytes_per_layer(self) -> int:
-        return self.host[:, 0, 0].numel() * self.host.element_size()
-
     def copy_out(self, layer: int, runs: list[tuple[int, int, int]]) -> None:
         """Copy one layer's (device start, host start, n) runs to the host pool (and the mirror) on the
         current stream."""
-        device_kv = self.device_cache.data
-        targets = [self.host] + ([self.mirror] if layer < self.mirrored_layers else [])
-        for device_start, host_start, n in runs:
-            for kv in range(2):
-                for target in targets:
-                    target[kv, layer, host_start : host_start + n].copy_(
-                        device_kv[kv, layer, device_start : device_start + n], non_blocking=True)
+        for kv in range(2):  # views taken once: each run is then one slice and one copy
+            source, host = self.device_cache.data[kv, layer], self.host[kv, layer]
+            for device_start, host_start, n in runs:
+                host[host_start : host_start + n].copy_(source[device_start : device_start + n], non_blocking=True)
+            if layer < self.mirrored_layers:  # device to device: one gather for every run
+                device_ids, host_ids = run_indices(runs, self.device)
+                self.mirror[kv, layer].index_copy_(0, host_ids, source.index_select(0, device_ids))
         self.count("d2h", n=2 * len(runs), blocks=sum(r[2] for r in runs))
 
     def copy_out_now(self, offloads: list[tuple[int, int]]) -> None:
@@ -108,10 +112,10 @@ class HostKVPool:
         """Copy one layer's (host start, ring position, n) runs into a ring slot on the current stream
         (values_only: V alone, the caller has the keys)."""
         kinds = (1,) if values_only else (0, 1)
-        for host_start, position, n in runs:
-            for kv in kinds:
-                self.ring[kv, slot, position : position + n].copy_(
-                    self.host[kv, layer, host_start : host_start + n], non_blocking=True)
+        for kv in kinds:
+            ring, host = self.ring[kv, slot], self.host[kv, layer]
+            for host_start, position, n in runs:
+                ring[position : position + n].copy_(host[host_start : host_start + n], non_blocking=True)
         self.count("h2d", n=len(kinds) * len(runs), blocks=sum(r[2] for r in runs), share=len(kinds) / 2)
 
     def read_keys(self, layer: int, blocks: list[int], device: torch.device) -> torch.Tensor:
@@ -126,8 +130,9 @@ class HostKVPool:
             if self.last_d2h is not None:
                 self.h2d_stream.wait_event(self.last_d2h)
         with torch.cuda.stream(self.h2d_stream) if self.cuda else nullcontext():
+            host = self.host[0, layer]
             for host_start, position, n in runs:
-                keys[position : position + n].copy_(self.host[0, layer, host_start : host_start + n], non_blocking=True)
+                keys[position : position + n].copy_(host[host_start : host_start + n], non_blocking=True)
         if self.cuda:
             current.wait_stream(self.h2d_stream)
             keys.record_stream(self.h2d_stream)

@@ -29,7 +29,7 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool, consecutive_runs
 from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
-from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, SelectionInput, SparseStats
+from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, HostKeys, SelectionInput, SparseStats
 from nanovllm.layers.kv_access import (DeviceSelection, KVAccess, QueryGroups, decode_metadata, group_metadata,
                                       query_groups, select_for_step)
 
@@ -183,15 +183,22 @@ class SplitKV(_OffloadKV):
         super().__init__(pool, cache, backend, offloads)
         bs = pool.block_size
         self.block_tables, self.on_host, self.selector, self.stats = block_tables, on_host, selector, stats
-        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats, host_keys={})
+        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats, host_keys=HostKeys())
         device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
         compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
         self.meta = backend.build_metadata(query_lens, compact_lens, device_tables, slots, bs, pool.device)
         self.host_tables = [[b for b, h in zip(t, f) if h] for t, f in zip(block_tables, on_host)]
-        # A dense selector reads the same pieces in every layer: planned once, prefetched on the copy stream.
-        self.pieces = self._pieces(self.host_tables) if selector.dense else []
+        # A selector dense for this step reads the same pieces in every layer: planned once, prefetched on the
+        # copy stream (a sparse policy's mirrored layers read the mirror instead).
+        self.step_dense = selector.dense or selector.dense_for_step(bs, query_lens, seq_lens)
+        self.first_copied = 0 if selector.dense else pool.mirrored_layers
+        self.pieces = self._pieces(self.host_tables) if self.step_dense else []
+        self.all_pieces: list[HistoryPiece] | None = None  # the same, not prefetched, for layers a sparse step reads whole
         self.host_meta: AttentionMetadata | None = None
         self.layout: DecodeLayout | None = None
+        # per sequence, its blocks as ids within their pool and where they live (the same in every layer)
+        self.table_ids = [torch.tensor(t, dtype=torch.int64) for t in block_tables]
+        self.host_flags = [torch.tensor(f, dtype=torch.bool) for f in on_host]
 
     def _pieces(self, host_tables: list[list[int]]) -> list[HistoryPiece]:
         bs, q_lens = self.pool.block_size, self.batch.query_lens
@@ -201,7 +208,7 @@ class SplitKV(_OffloadKV):
 
     @property
     def num_units(self) -> int:
-        return self.pool.num_layers * len(self.pieces)
+        return (self.pool.num_layers - self.first_copied) * len(self.pieces)
 
     def begin(self) -> None:
         super().begin()
@@ -209,16 +216,22 @@ class SplitKV(_OffloadKV):
             self._fill_unit(unit)
 
     def _fill_unit(self, unit: int) -> None:
-        """(layer, piece) = divmod(unit, pieces) into ring slot unit % RING_SLOTS."""
+        """(layer - first_copied, piece) = divmod(unit, pieces) into ring slot unit % RING_SLOTS."""
         layer, p = divmod(unit, len(self.pieces))
-        self._fill(layer, unit % RING_SLOTS, self.pieces[p].runs, unit)
+        self._fill(self.first_copied + layer, unit % RING_SLOTS, self.pieces[p].runs, unit)
 
     def attend(self, layer, q, k, v, scale):
         self._store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.cache.layer(layer)
         head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
         self.batch.host_keys.clear()  # the keys a selector reads are this layer's
-        selection = select_for_step(self.selector, layer, q, k_cache.shape[2], self.batch, self._layout, head_bytes)
+        if self.step_dense:
+            selection = None
+            if self.stats is not None:
+                self.stats.add(self.batch, None, k_cache.shape[2])
+        else:
+            selection = select_for_step(self.selector, layer, q, k_cache.shape[2], self.batch, self._layout,
+                                        head_bytes)
         if isinstance(selection, DeviceSelection):  # decode: host blocks read in place, counted on the device
             return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale,
                                         host_kv=self._host_kv(layer))
@@ -233,10 +246,11 @@ class SplitKV(_OffloadKV):
             self.backend.history_attention(q, self.pool.mirror[0, layer], self.pool.mirror[1, layer],
                                            self._host_meta(), scale, (out, lse))
             return out.to(q.dtype)
-        if not self.selector.dense:  # this layer reads every host block, copied now (nothing was prefetched)
+        if not self.step_dense:  # this layer reads every host block, copied now (nothing was prefetched)
             return self._attend_all_now(layer, q, scale, out, lse)
+        self._count_all_host_blocks()
         for p, piece in enumerate(self.pieces):
-            unit = layer * len(self.pieces) + p
+            unit = (layer - self.first_copied) * len(self.pieces) + p
             slot = unit % RING_SLOTS
             self._wait_copied(unit)
             # merged into (out, lse) by log-sum-exp inside the kernels: no separate merge pass
@@ -264,12 +278,17 @@ class SplitKV(_OffloadKV):
                                                          self.host_tables, [], bs, self.pool.device)
         return self.host_meta
 
-    def _attend_all_now(self, layer: int, q, scale, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Every host block of this layer, piece by piece through ring slot 0, merged into (out, lse)."""
+    def _count_all_host_blocks(self) -> None:
         if self.stats is not None:
             for i, blocks in enumerate(self.host_tables):
                 self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer
-        for piece in self._pieces(self.host_tables):
+
+    def _attend_all_now(self, layer: int, q, scale, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Every host block of this layer, piece by piece through ring slot 0, merged into (out, lse)."""
+        self._count_all_host_blocks()
+        if self.all_pieces is None:
+            self.all_pieces = self._pieces(self.host_tables)
+        for piece in self.all_pieces:
             self._fill(layer, 0, piece.runs, -1)
             self._wait_copied(-1)
             self.backend.history_attention(q, self.pool.ring[0, 0], self.pool.ring[1, 0], piece.meta, scale, (out, lse))
@@ -283,8 +302,7 @@ class SplitKV(_OffloadKV):
         groups = query_groups(self.batch, selection)
         if max(self.batch.query_lens) == 1:
             return self._attend_in_place(layer, q, k_cache, v_cache, groups, scale)
-        bs, tables = self.pool.block_size, [torch.tensor(t, dtype=torch.int64) for t in self.block_tables]
-        host = [torch.tensor(f, dtype=torch.bool) for f in self.on_host]
+        bs, tables, host = self.pool.block_size, self.table_ids, self.host_flags
         attended = torch.zeros(len(tables), groups.mask.shape[-1], dtype=torch.int32).index_add_(
             0, torch.tensor(groups.seq), groups.mask.any(1).int().cpu()) > 0
         wanted = [t[attended[i, : t.numel()] & h].tolist() for i, (t, h) in enumerate(zip(tables, host))]
@@ -301,12 +319,12 @@ class SplitKV(_OffloadKV):
         for runs, _ in pack(wanted, self.pool.ring_blocks):
             self._fill(layer, 0, runs, -1, values_only=values_only)
             self._wait_copied(-1)
+            host_ids = [h + j for h, _, n in runs for j in range(n)]
+            positions = torch.tensor([p + j for _, p, n in runs for j in range(n)], dtype=torch.int64)
             if values_only:
-                for host_start, position, n in runs:
-                    self.pool.ring[0, 0, position : position + n] = torch.stack([keys[host_start + j] for j in range(n)])
+                self.pool.ring[0, 0].index_copy_(0, positions.to(q.device, non_blocking=True), keys.gather(host_ids))
             ring_position = torch.full((self.pool.num_host_blocks,), -1, dtype=torch.int64)
-            for host_start, position, n in runs:
-                ring_position[host_start : host_start + n] = torch.arange(position, position + n)
+            ring_position[host_ids] = positions
             in_ring = groups.pool_ids([torch.where(h, ring_position[t], -1) for t, h in zip(tables, host)])
             meta = group_metadata(self.backend, groups, in_ring, bs, q.device, causal=False)
             self.backend.history_attention(q, self.pool.ring[0, 0], self.pool.ring[1, 0], meta, scale, (out, lse))
@@ -315,8 +333,7 @@ class SplitKV(_OffloadKV):
 
     def _attend_in_place(self, layer: int, q, k_cache, v_cache, groups: QueryGroups, scale) -> torch.Tensor:
         """Decode rows: one kernel over each head's selected blocks, host ones read from pinned memory."""
-        per_sequence = [torch.where(torch.tensor(f, dtype=torch.bool), RING_BASE + torch.tensor(t), torch.tensor(t))
-                        for t, f in zip(self.block_tables, self.on_host)]
+        per_sequence = [torch.where(h, RING_BASE + t, t) for t, h in zip(self.table_ids, self.host_flags)]
         ids = groups.pool_ids(per_sequence)
         head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
         host_blocks = (groups.mask & (ids >= RING_BASE)[:, None, :]).sum((1, 2)).tolist()  # per group
