@@ -110,10 +110,21 @@ def pooled_kv(pool, cache, layer, tables, on_host, seq_lens):
     return keys_of
 
 
-SELECTORS = [RandomHeadSelector, RandomRowBlocksSelector]
+class RandomWithWholeRowSelector(RandomRowBlocksSelector):
+    """Per query block for one sequence, None (every block) for the other, alternating by layer."""
+
+    def select(self, layer, q, num_kv_heads, batch: SelectionInput):
+        masks = super().select(layer, q, num_kv_heads, batch)
+        whole = (layer + self.seed) % 2
+        self.masks[layer][whole] = torch.ones(num_kv_heads, batch.num_blocks(whole), dtype=torch.bool)
+        return [None if i == whole else m for i, m in enumerate(masks)]
 
 
-@pytest.mark.parametrize("selector_class", SELECTORS, ids=["per-head", "per-head-and-query-block"])
+SELECTORS = [RandomHeadSelector, RandomRowBlocksSelector, RandomWithWholeRowSelector]
+SELECTOR_IDS = ["per-head", "per-head-and-query-block", "with-a-whole-row"]
+
+
+@pytest.mark.parametrize("selector_class", SELECTORS, ids=SELECTOR_IDS)
 @pytest.mark.parametrize("selector_seed", [0, 1, 2])
 def test_device_kv_attends_to_exactly_the_selected_blocks(selector_seed, selector_class):
     cache = random_cache(12, seed=1)
@@ -135,7 +146,7 @@ def test_device_kv_attends_to_exactly_the_selected_blocks(selector_seed, selecto
         assert any(not m.all() for m in selector.masks[layer])  # the selection really drops blocks
 
 
-@pytest.mark.parametrize("selector_class", SELECTORS, ids=["per-head", "per-head-and-query-block"])
+@pytest.mark.parametrize("selector_class", SELECTORS, ids=SELECTOR_IDS)
 @pytest.mark.parametrize("ring_blocks", [1, 2, 8])
 @pytest.mark.parametrize("selector_seed", [0, 3])
 def test_offload_attends_and_copies_exactly_the_selected_blocks(ring_blocks, selector_seed, selector_class):

@@ -106,6 +106,8 @@ def test_quest_decode_selection_on_the_device_equals_the_per_sequence_one(seed):
     q = torch.randn(4, num_kv_heads * group, dim, generator=g)
     selector = QuestSelector(bounds, token_budget=3 * bs, dense_layers=0, min_context=8 * bs)
     want = with_query_blocks(selector.select(0, q, num_kv_heads, batch), batch)
+    assert [m is None for m in want] == [False, True, True, False]  # rows left whole: None
+    want = [torch.ones(num_kv_heads, batch.num_blocks(i), dtype=torch.bool) if m is None else m for i, m in enumerate(want)]
     layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=1000)
     keep, widest = selector.decode_keep(0, q, num_kv_heads, layout)
     for i, mask in enumerate(want):

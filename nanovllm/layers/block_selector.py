@@ -4,7 +4,8 @@ Every KV-access strategy (layers/kv_access.py, engine/offload/) asks the step's 
 copies or attends. A selector sees the layer, the step's queries and each sequence's blocks and
 returns, per sequence, a bool mask over the sequence's blocks in position order, [num_kv_heads,
 num_blocks] for all its query rows or [num_kv_heads, query blocks, num_blocks] per block of query
-rows (prefill), or None for "every block" (the dense fast path). Blocks that hold the queries are
+rows (prefill), None for a sequence it leaves whole, or None instead of the list for "every block of
+every sequence" (the dense fast path). Blocks that hold the queries are
 always attended to, whatever the mask says, so a selector only narrows the history that precedes
 them, and the causal mask stays right when the rest is dropped.
 """
@@ -75,7 +76,8 @@ class HostKeys:
         return keys.index_select(0, rows.to(keys.device, non_blocking=True))
 
 
-Selection = list[torch.Tensor]  # per sequence: bool [Hk, blocks] or [Hk, query blocks, blocks], True = attend
+Selection = list[torch.Tensor | None]  # per sequence: bool [Hk, blocks] or [Hk, query blocks, blocks], True =
+# attend; None: every block (a row the policy leaves dense)
 
 
 @dataclass
@@ -181,6 +183,9 @@ def with_query_blocks(selection: Selection, batch: SelectionInput) -> Selection:
     masks = []
     for i, mask in enumerate(selection):
         n, first = batch.num_blocks(i), batch.first_query_block(i)
+        if mask is None:
+            masks.append(None)
+            continue
         if mask.shape[-1] != n or (mask.dim() == 3 and mask.shape[1] != n - first):
             raise ValueError(f"selection for sequence {i} has shape {tuple(mask.shape)}; it has {n} blocks, "
                              f"{n - first} of them with queries")
@@ -233,10 +238,10 @@ class SparseStats:
             n, first = batch.num_blocks(i), batch.first_query_block(i)
             if batch.query_lens[i] == 1:
                 counts, present = self.decode, n * num_kv_heads
-                attended = None if selection is None else selection[i].sum()
+                attended = None if selection is None or selection[i] is None else selection[i].sum()
             else:
                 counts, present = self.prefill, sum(range(first + 1, n + 1)) * num_kv_heads  # block b sees 0..b
-                attended = None if selection is None else prefill_pairs(selection[i], first, n)
+                attended = None if selection is None or selection[i] is None else prefill_pairs(selection[i], first, n)
             counts[i][1] += present
             if attended is None:
                 counts[i][0] += present

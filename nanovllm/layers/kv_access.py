@@ -125,6 +125,8 @@ def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_h
     if selector.dense:
         return None
     selection = selector.select(layer, q, num_kv_heads, batch)
+    if selection is not None and all(m is None for m in selection):
+        selection = None
     selection = None if selection is None else with_query_blocks(selection, batch)
     if batch.stats is not None:
         batch.stats.add(batch, selection, num_kv_heads)
@@ -157,31 +159,39 @@ class QueryGroups:
 
 
 def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
-    """One group per sequence for a [Hk, blocks] mask, one per query block for [Hk, query blocks, blocks]."""
-    width, device = max(m.shape[-1] for m in selection), selection[0].device
-    seqs, counts, ends, masks = [], [], [], []
+    """One group per sequence for a [Hk, blocks] mask or None (every block), one per query block for
+    [Hk, query blocks, blocks]. The None rows (decode rows beside a sparse prefill, say) cost no tensor
+    operation each: they are switched on together."""
+    masked = [m for m in selection if m is not None]
+    num_kv_heads, device = masked[0].shape[0], masked[0].device
+    width = max(batch.num_blocks(i) for i in range(len(selection)))
+    seqs, counts, ends, masks, whole = [], [], [], [], []  # whole: (group, blocks) of None rows
     for i, mask in enumerate(selection):
         count, end, bs = batch.query_lens[i], batch.seq_lens[i], batch.block_size
-        if mask.dim() == 2:
+        if mask is None or mask.dim() == 2:
+            if mask is None:
+                whole.append((len(seqs), batch.num_blocks(i)))
+            else:
+                masks.append((len(seqs), mask[None].to(device)))
             seqs.append(i)
             counts.append(count)
             ends.append(end)
-            masks.append(mask[None].to(device))
             continue
         first, num_rows = batch.first_query_block(i), mask.shape[1]
         upper = torch.clamp((first + torch.arange(1, num_rows + 1)) * bs, max=end)
         lower = torch.clamp((first + torch.arange(num_rows)) * bs, min=end - count)
+        causal = torch.arange(mask.shape[-1], device=device)[None, :] <= \
+            (first + torch.arange(num_rows, device=device))[:, None]
+        masks.append((len(seqs), mask.to(device).transpose(0, 1) & causal[:, None, :]))
         seqs += [i] * num_rows
         counts += (upper - lower).tolist()
         ends += upper.tolist()
-        causal = torch.arange(mask.shape[-1], device=device)[None, :] <= \
-            (first + torch.arange(num_rows, device=device))[:, None]
-        masks.append(mask.to(device).transpose(0, 1) & causal[:, None, :])
-    padded = torch.zeros(len(seqs), selection[0].shape[0], width, dtype=torch.bool, device=device)
-    row = 0
-    for m in masks:
+    padded = torch.zeros(len(seqs), num_kv_heads, width, dtype=torch.bool, device=device)
+    for row, m in masks:
         padded[row : row + m.shape[0], :, : m.shape[-1]] = m
-        row += m.shape[0]
+    if whole:
+        rows, blocks = (torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in zip(*whole))
+        padded[rows] = (torch.arange(width, device=device)[None, :] < blocks[:, None])[:, None, :]
     end = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)
     return QueryGroups(seqs, counts, ends, end, -(-end // batch.block_size), padded)
 

@@ -56,15 +56,17 @@ class QuestSelector(BlockSelector):
         masks, sparse = [], False
         for i in range(len(batch.seq_lens)):
             n = batch.num_blocks(i)
-            keep = torch.ones(num_kv_heads, n, dtype=torch.bool, device=q.device)
             fixed = self.sink_blocks + self.recent_blocks
-            if batch.query_lens[i] == 1 and batch.seq_lens[i] >= self.min_context and n > budget + fixed:
-                scores = self.block_scores(layer, q[batch.query_rows(i)][0], num_kv_heads, batch, i)
-                middle = scores[:, self.sink_blocks : n - self.recent_blocks]
-                keep[:, self.sink_blocks : n - self.recent_blocks] = False
-                keep.scatter_(1, middle.topk(budget, dim=1).indices + self.sink_blocks, True)
-                sparse = True
+            if batch.query_lens[i] > 1 or batch.seq_lens[i] < self.min_context or n <= budget + fixed:
+                masks.append(None)
+                continue
+            scores = self.block_scores(layer, q[batch.query_rows(i)][0], num_kv_heads, batch, i)
+            middle = scores[:, self.sink_blocks : n - self.recent_blocks]
+            keep = torch.ones(num_kv_heads, n, dtype=torch.bool, device=q.device)
+            keep[:, self.sink_blocks : n - self.recent_blocks] = False
+            keep.scatter_(1, middle.topk(budget, dim=1).indices + self.sink_blocks, True)
             masks.append(keep)
+            sparse = True
         return masks if sparse else None
 
     def sparse_rows(self, block_size: int, seq_lens: list[int]) -> list[bool]:
@@ -199,9 +201,8 @@ class XAttentionSelector(BlockSelector):
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         masks, sparse = [], False
         for i in range(len(batch.seq_lens)):
-            n = batch.num_blocks(i)
             if batch.query_lens[i] == 1 or batch.seq_lens[i] < self.min_context:
-                masks.append(torch.ones(num_kv_heads, n, dtype=torch.bool, device=q.device))
+                masks.append(None)
                 continue
             keys = self._keys(layer, batch, i)
             masks.append(self.sequence_selection(q[batch.query_rows(i)], keys, batch.block_size))
@@ -345,9 +346,8 @@ class PrefillDecodeSelector(BlockSelector):
         by_decode = self.decode.select(layer, q, num_kv_heads, batch)
         if by_prefill is None and by_decode is None:
             return None
-        ones = [torch.ones(num_kv_heads, batch.num_blocks(i), dtype=torch.bool, device=q.device)
-                for i in range(len(batch.seq_lens))]
-        by_prefill, by_decode = by_prefill or ones, by_decode or ones
+        whole = [None] * len(batch.seq_lens)
+        by_prefill, by_decode = by_prefill or whole, by_decode or whole
         return [d if n == 1 else p for p, d, n in zip(by_prefill, by_decode, batch.query_lens)]
 
 
