@@ -27,11 +27,12 @@ def decode_floor_ms(llm: LLM, batch: int, context: int, bandwidth: float) -> flo
     return 1e3 * (weight_bytes + kv_bytes) / bandwidth
 
 
-def measure_decode(llm: LLM, batch: int, context: int, new_tokens: int) -> tuple[float, float]:
+def measure_decode(llm: LLM, batch: int, context: int, new_tokens: int, run: int = 0) -> tuple[float, float]:
     """Returns (time to first token in s, ms per output token) for a batch of equal-length prompts.
     TTFT: until every prompt has its first token; ms per token: decode steps after that only, so a
-    batch whose prompts are prefilled in several chunks does not count prefill steps as decode."""
-    g = torch.Generator().manual_seed(batch * 7 + context)
+    batch whose prompts are prefilled in several chunks does not count prefill steps as decode.
+    Each run gets prompts of its own (no prefix-cache hit on an earlier run's)."""
+    g = torch.Generator().manual_seed(batch * 7 + context + 1_000_003 * run)
     vocab = llm.config.hf_config["vocab_size"]
     prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -93,15 +94,19 @@ def main() -> None:
     llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     for batch, context in cases:
         compiled_before = len(WATCH.request_path_events())
-        cold_ttft, _ = measure_decode(llm, batch, min(context, 2048), 4)  # first run of a new batch size
+        short = min(context, 2048)
+        cold_ttft, _ = measure_decode(llm, batch, short, 4, run=1)  # first run of a new batch size
+        warm_ttft, _ = measure_decode(llm, batch, short, 4, run=2)  # the same shapes again, other prompts
         ttft, tpot = measure_decode(llm, batch, context, args.decode_tokens)
         floor = decode_floor_ms(llm, batch, context, bandwidth)
         compiled = [e.kernel for e in WATCH.request_path_events()[compiled_before:]]
         results["decode"].append(dict(batch=batch, context=context, ttft_s=ttft, cold_ttft_2k_s=cold_ttft,
+                                      warm_ttft_2k_s=warm_ttft,
                                       compiled_on_request_path=compiled, ms_per_token=tpot,
                                       floor_ms=floor, ratio_to_floor=tpot / floor))
-        log(f"batch {batch:3d} context {context:6d}: TTFT {ttft * 1e3:8.1f} ms (first run of this batch size, "
-            f"<=2K context: {cold_ttft * 1e3:.1f} ms), {tpot:6.2f} ms/token, "
+        log(f"batch {batch:3d} context {context:6d}: TTFT {ttft * 1e3:8.1f} ms (<=2K context: first run of this "
+            f"batch size {cold_ttft * 1e3:.1f} ms, second {warm_ttft * 1e3:.1f} ms -> {cold_ttft / warm_ttft:.2f}x), "
+            f"{tpot:6.2f} ms/token, "
             f"floor {floor:5.2f} ms -> {tpot / floor:.2f}x the floor; "
             f"Triton variants compiled on the request path: {len(compiled)} {sorted(set(compiled))}")
     for row in results["prefill"]:
