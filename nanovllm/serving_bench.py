@@ -81,21 +81,64 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
     return result
 
 
-async def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0) -> dict:
+async def send_all(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0) -> list[RequestResult]:
     """Send every prompt with exponential gaps of mean 1/rate (all at once for rate inf)."""
     import httpx
 
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=auth_headers()) as client:
-        tasks, start = [], time.perf_counter()
+        tasks = []
         for prompt, n in zip(prompts, out_lens):
             tasks.append(asyncio.create_task(one_request(client, url, model, prompt, n)))
             if rate != math.inf:
                 await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(rate, results, duration)
+        return list(await asyncio.gather(*tasks))
+
+
+def client_share(url: str, model: str, prompts, out_lens, rate: float, seed: int, start_at: float):
+    """One client process's share (run in a child): its results, wall-clock start and end, CPU seconds."""
+    time.sleep(max(0.0, start_at - time.time()))  # the shares start together
+    cpu, start = time.process_time(), time.time()
+    results = asyncio.run(send_all(url, model, prompts, out_lens, rate, seed))
+    return results, start, time.time(), time.process_time() - cpu
+
+
+def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0, processes: int = 1,
+             server_pid: int | None = None) -> dict:
+    """One rate's run from `processes` client processes (each sends every processes-th prompt at rate /
+    processes: together still Poisson at `rate`), with the CPU busy fractions of the client and of the server
+    process (its front end) over the run: a client at 1.0 measures itself, not the server."""
+    server_cpu = process_cpu_seconds(server_pid)
+    if processes == 1:
+        results, start, end, client_cpu = client_share(url, model, prompts, out_lens, rate, seed, 0.0)
+        shares = [(results, start, end, client_cpu)]
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        start_at = time.time() + 1.0  # after the children have started
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            shares = list(pool.map(client_share, [url] * processes, [model] * processes,
+                                   [prompts[k::processes] for k in range(processes)],
+                                   [out_lens[k::processes] for k in range(processes)], [rate / processes] * processes,
+                                   [seed + k for k in range(processes)], [start_at] * processes))
+    duration = max(end for _, _, end, _ in shares) - min(start for _, start, _, _ in shares)
+    summary = summarize(rate, [r for results, *_ in shares for r in results], duration)
+    summary["client_processes"] = processes
+    summary["client_cpu_busy"] = sum(cpu for *_, cpu in shares) / (duration * processes)
+    if server_cpu is not None:
+        summary["server_cpu_busy"] = (process_cpu_seconds(server_pid) - server_cpu) / duration
+    return summary
+
+
+def process_cpu_seconds(pid: int | None) -> float | None:
+    """utime + stime of a process (Linux /proc), None where not readable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, TypeError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(rate: float, results: list[RequestResult], duration: float) -> dict:
@@ -200,6 +243,10 @@ def print_report(report: dict) -> None:
         s = "/".join(f"{r['e2e_s'].get(k, float('nan')):.2f}" for k in ("p50", "p90", "p99"))
         print(f"{r['request_rate']!s:>6} {r['completed']:>5} {r['output_throughput_tok_s']:>9.1f} "
               f"{r['fraction_of_peer']:>8.2f} | {ms(r['ttft_s']):>22} | {ms(r['tpot_s']):>22} | {s:>20}")
+        busy = f"client CPU busy {r['client_cpu_busy']:.2f} ({r['client_processes']} processes)"
+        if "server_cpu_busy" in r:
+            busy += f", server front end {r['server_cpu_busy']:.2f}"
+        print(f"       {busy}")
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
 
@@ -247,6 +294,8 @@ def parse_rates(text: str) -> list[float]:
 
 def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) -> dict:
     rates = parse_rates(args.request_rates)
+    if args.client_processes < 1:
+        raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     if math.inf not in rates:
         rates.append(math.inf)  # the peer when no offline run is made, and the served ceiling otherwise
     out_dir = Path(args.output_dir or os.environ.get("OUT") or "bench/results")
@@ -266,10 +315,11 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
                              f"max_model_len={max_model_len}")
         vocab = args.vocab_size or vocab_size(args.model if proc is not None else model)
         prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.workload_seed)
-        asyncio.run(run_rate(url, model, prompts[:2], [4, 4], math.inf))  # warm-up
+        run_rate(url, model, prompts[:2], [4, 4], math.inf)  # warm-up
         results = []
         for rate in rates:
-            results.append(asyncio.run(run_rate(url, model, prompts, out_lens, rate, args.workload_seed)))
+            results.append(run_rate(url, model, prompts, out_lens, rate, args.workload_seed, args.client_processes,
+                                    proc.pid if proc is not None else None))
             print(f"rate {results[-1]['request_rate']}: {results[-1]['output_throughput_tok_s']:.1f} output tok/s, "
                   f"{results[-1]['completed']}/{len(prompts)} completed", flush=True)
     finally:
@@ -314,6 +364,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="serving", help="file name stem of the results (default: serving)")
     parser.add_argument("--engine-core", default="process", choices=["process", "thread"],
                         help="the started server's --engine-core (default: process)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="client processes sharing the requests (one Python client parsing every SSE chunk can "
+                             "be the bottleneck: see 'client CPU busy' in the report; default: 1)")
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:

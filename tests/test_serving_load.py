@@ -7,6 +7,7 @@ KV block is in use, nothing runs, and the server is healthy. Last, SIGTERM drain
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -77,6 +78,18 @@ def test_100_concurrent_streams_with_disconnects(server, expected):
     again = httpx.post(f"{server.url}/v1/completions", timeout=60,
                        json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0})
     assert again.json()["choices"][0]["text"] == expected[PROMPTS[0]]
+
+
+def test_bench_client_in_several_processes_counts_every_token(server):
+    """bench serving's client split over 2 processes: every request and token counted once, one duration
+    over both, and the CPU busy fractions of the client and of the server's process measured."""
+    from nanovllm.serving_bench import make_workload, run_rate
+
+    prompts, out_lens = make_workload(12, 8, 6, vocab_size=1000, seed=3)
+    result = run_rate(server.url, "smollm2", prompts, out_lens, math.inf, processes=2, server_pid=server.proc.pid)
+    assert result["completed"] == 12 and result["failed"] == 0 and result["output_tokens"] == 12 * 6
+    assert result["client_processes"] == 2 and 0 < result["client_cpu_busy"] < 2
+    assert 0 < result["server_cpu_busy"] and result["duration_s"] > 0
 
 
 def test_sigterm_drains_requests_in_flight(server):
