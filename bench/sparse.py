@@ -59,7 +59,7 @@ def sdpa_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return sdpa_causal_ms(q.transpose(0, 1)[None], expand(k), expand(v), scale)
 
 
-def prefill_attention(context: int, threshold: float, stride: int) -> dict:
+def prefill_attention(context: int, threshold: float, stride: int, cover: str = "head") -> dict:
     """One layer's prefill attention over a paged cache of `context` tokens, dense and XAttention."""
     q, k, v = shaped_inputs(context, seed=context)
     blocks = -(-context // BLOCK)
@@ -69,7 +69,7 @@ def prefill_attention(context: int, threshold: float, stride: int) -> dict:
     slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)]
     meta = backend.build_metadata([context], [context], [table], slots, BLOCK, torch.device("cuda"))
     scale = DIM**-0.5
-    selector = XAttentionSelector(cache, None, threshold, stride, 128, min_context=0)
+    selector = XAttentionSelector(cache, None, threshold, stride, 128, min_context=0, cover=cover)
     dense = DeviceKV(cache, backend, meta, DenseSelector())
     sparse = DeviceKV(cache, backend, meta, selector)
     dense_ms = cuda_ms(lambda: dense.attend(0, q, k, v, scale), 3)
@@ -84,7 +84,7 @@ def prefill_attention(context: int, threshold: float, stride: int) -> dict:
     sdpa, sdpa_name = sdpa_ms(q, k, v, scale)
     fastest_dense = min(dense_ms, sdpa)
     flops = 4 * HEADS * DIM * context * context / 2  # QK^T and PV over the causal half
-    result = dict(context=context, threshold=threshold, stride=stride, density=density, dense_ms=dense_ms,
+    result = dict(context=context, threshold=threshold, stride=stride, cover=cover, density=density, dense_ms=dense_ms,
                   sdpa_ms=sdpa, sdpa_backend=sdpa_name, sparse_ms=sparse_ms, estimate_ms=estimate_ms,
                   speedup_vs_fastest_dense=fastest_dense / sparse_ms, dense_tflops=flops / dense_ms / 1e9,
                   max_abs_error_vs_dense=error)
@@ -174,7 +174,7 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     return results
 
 
-def e2e_prefill(model: str, samples_file: str, num_prompts: int, threshold: float) -> dict:
+def e2e_prefill(model: str, samples_file: str, num_prompts: int, threshold: float, cover: str = "head") -> dict:
     """Time to first token of real prompts, dense vs XAttention (sparse_min_context 0), same process."""
     import time
 
@@ -182,13 +182,13 @@ def e2e_prefill(model: str, samples_file: str, num_prompts: int, threshold: floa
     from nanovllm.eval.ruler.templates import Prompter
 
     samples = sorted(load_samples(samples_file), key=lambda s: -s["prompt_tokens"])[:num_prompts]
-    engines = {name: LLM(model, sparse_policy=name, sparse_min_context=0, xattn_threshold=threshold,
+    engines = {name: LLM(model, sparse_policy=name, sparse_min_context=0, xattn_threshold=threshold, xattn_cover=cover,
                          enable_prefix_caching=False, num_gpu_blocks=256) for name in ("full", "xattention")}
     prompter = Prompter(engines["full"].tokenizer, "chat")
     prompts = [prompter.encode(s["prompt"]) for s in samples]  # as `nanovllm ruler` sends them
     first = SamplingParams(temperature=0, max_tokens=1)
-    for llm in engines.values():  # compiles every kernel variant on one prompt
-        llm.generate([prompts[-1]], first, use_tqdm=False)
+    for llm in engines.values():  # every prompt once untimed: the kernel variants they meet compile here
+        llm.generate(prompts, first, use_tqdm=False)
     seconds = {name: 0.0 for name in engines}
     densities = []
     for ids in prompts:
@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--config", default=str(HERE / "configs" / "llama-3.1-8b"))
     ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--cover", default="head", choices=["head", "group"], help="XAttention's xattn_cover (default: head)")
     ap.add_argument("--stride", type=int, default=16)
     ap.add_argument("--decode-cases", nargs="+", default=["1x131072", "4x131072"])
     ap.add_argument("--gpu-only-cases", nargs="+", default=["1x131072", "4x131072"])
@@ -228,7 +229,7 @@ def main() -> None:
     require_cuda()
     results: dict = {}
     if not args.skip_prefill:
-        results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride) for c in args.contexts]
+        results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride, args.cover) for c in args.contexts]
         release_memory()
     if not args.skip_offload:
         h2d = measure_h2d_bandwidth()
@@ -240,7 +241,7 @@ def main() -> None:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
                                                   False, None)
     if args.model and args.samples_file:
-        results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold)
+        results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
     save_results("sparse", results)
 
 
