@@ -89,3 +89,19 @@ def test_start_up_mixed_step_leaves_the_engine_as_it_was(tiny_llama):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert llm.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("block_size, head_dim, num_kv_heads, max_len", [(16, 16, 2, 512), (256, 128, 8, 131072)])
+def test_start_up_mixed_steps_meet_both_decode_variants(block_size, head_dim, num_kv_heads, max_len):
+    """The decode kernel over a mixed step's rows writes directly with one split and merges several: one
+    start-up step must give each (the tiny test model's shapes and the Llama-3.1-8B shape on an H200)."""
+    tpa = pytest.importorskip("nanovllm.kernels.triton_paged_attention")
+    from nanovllm.engine.warm_up import mixed_step_layouts
+
+    block_n = tpa.decode_tile_size(torch.bfloat16, head_dim, block_size)
+    splits = set()
+    for query_lens, seq_lens in mixed_step_layouts(max_len, 4096 * 16):
+        decode = [s for q, s in zip(query_lens, seq_lens) if q == 1]
+        splits.add(tpa.decode_num_splits(len(decode), num_kv_heads, max(decode), block_n, num_sms=132) == 1)
+    assert splits == {True, False}
+

@@ -3,10 +3,13 @@
 The decode graphs compile what pure decode steps run when they are captured, and the warm-up forward
 that sizes the KV pool compiles a whole-prompt prefill. What is left is what a mixed step (a prefill
 chunk beside decoding rows, outside the graphs) and temperature sampling run: the decode kernel over
-chosen rows with one split and with several, its merge, and the one-pass sampler. Measured on the H200
-(kernels/compile_watch.py): the first batch of 32 requests waited 1.56 s against 0.21 s warm for those.
+chosen rows with one split (a mixed step whose decode rows are all short) and with several, the merge
+of the splits, and the one-pass sampler. Measured on the H200 (kernels/compile_watch.py) before these
+steps: the first batch of 32 requests waited 0.75 s for two of those to compile.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -16,24 +19,39 @@ from nanovllm.sampling_params import SamplingParams
 
 PREFILL_ROWS = 32
 LONG_ROW = 4096  # keys of the long decode row: 64 KV tiles, several decode splits
+SHORT_ROW = 16  # keys of a short decode row: one tile, so one split when it is the longest
+
+
+def mixed_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(query_lens, seq_lens) of the start-up mixed steps: a prefill chunk beside decode rows whose longest
+    is long (the decode kernel over chosen rows in several splits, and their merge) and beside a short one
+    only (one split: the kernel writes its result directly, another variant)."""
+    long_row = min(max_model_len - 1, pool_tokens, LONG_ROW)
+    prefill = min(PREFILL_ROWS, long_row)
+    short = min(SHORT_ROW, long_row)
+    return [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
 
 
 @torch.inference_mode()
 def compile_step_variants(worker) -> None:
-    """One mixed step through the model (a prefill chunk, a short and a long decode row) and one sampled
-    token per row. Writes KV into the first blocks of the pool: at start-up no request holds them."""
-    block_size, config = worker.block_size, worker.config
-    long_row = min(config.max_model_len - 1, worker.num_blocks * block_size, LONG_ROW)
-    query_lens = [min(PREFILL_ROWS, long_row), 1, 1]
-    seq_lens = [query_lens[0], min(16, long_row), long_row]
+    """The start-up mixed steps through the model and one sampled token per row. They write KV into the
+    first blocks of the pool: at start-up no request holds them."""
+    layouts = mixed_step_layouts(worker.config.max_model_len, worker.num_blocks * worker.block_size)
+    for query_lens, seq_lens in layouts:
+        logits = _mixed_step(worker, query_lens, seq_lens)
+    generator = torch.Generator(worker.device).manual_seed(0)  # leaves the engine's own stream untouched
+    sample_on_device(logits, [SamplingParams(temperature=1.0)] * logits.shape[0], [None] * logits.shape[0], generator)
+
+
+def _mixed_step(worker, query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    """One forward of these rows over the pool's first blocks; the logits of each row's last token."""
+    block_size = worker.block_size
     table = list(range(-(-max(seq_lens) // block_size)))
     positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
     slots = [table[p // block_size] * block_size + p % block_size for p in positions]
-    meta = worker.backend.build_metadata(query_lens, seq_lens, [table] * 3, slots, block_size, worker.device)
+    tables = [table] * len(query_lens)
+    meta = worker.backend.build_metadata(query_lens, seq_lens, tables, slots, block_size, worker.device)
     ids = torch.arange(len(positions), device=worker.device) % worker.model.config.vocab_size
-    kv = DeviceKV(worker.kv_cache, worker.backend, meta)
-    hidden = worker.model(ids, torch.tensor(positions, device=worker.device), kv)
-    last_rows = torch.tensor([query_lens[0] - 1, query_lens[0], query_lens[0] + 1], device=worker.device)
-    logits = worker.model.compute_logits(hidden[last_rows])
-    generator = torch.Generator(worker.device).manual_seed(0)  # leaves the engine's own stream untouched
-    sample_on_device(logits, [SamplingParams(temperature=1.0)] * 3, [None] * 3, generator)
+    hidden = worker.model(ids, torch.tensor(positions, device=worker.device), DeviceKV(worker.kv_cache, worker.backend, meta))
+    last_rows = torch.tensor(list(itertools.accumulate(query_lens)), device=worker.device) - 1
+    return worker.model.compute_logits(hidden[last_rows])
