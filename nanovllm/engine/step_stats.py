@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from nanovllm.engine.offload.host_pool import HostKVPool
 from nanovllm.engine.step_plan import StepPlan
-from nanovllm.layers.block_selector import SparseStats
+from nanovllm.layers.block_selector import SparseStats, visible_block_pairs
 
 
 @dataclass
@@ -48,10 +48,9 @@ class StepWork:
         return stats
 
     def _visible_pairs(self, query_len: int, seq_len: int) -> int:
-        """Causal (query block, KV block) pairs of a prefill row, over every layer and KV head: query
-        block b (from the first holding a new token) sees KV blocks 0..b."""
+        """Causal (query block, KV block) pairs of a prefill row, over every layer and KV head."""
         first, n = (seq_len - query_len) // self.block_size, -(-seq_len // self.block_size)
-        return (first + 1 + n) * (n - first) // 2 * self.num_layers * self.num_kv_heads
+        return visible_block_pairs(first, n) * self.num_layers * self.num_kv_heads
 
     @staticmethod
     def sparse(plan: StepPlan, sparse: SparseStats) -> dict[int, SeqStepStats]:

@@ -240,13 +240,18 @@ class SparseStats:
                 counts, present = self.decode, n * num_kv_heads
                 attended = None if selection is None or selection[i] is None else selection[i].sum()
             else:
-                counts, present = self.prefill, sum(range(first + 1, n + 1)) * num_kv_heads  # block b sees 0..b
+                counts, present = self.prefill, visible_block_pairs(first, n) * num_kv_heads
                 attended = None if selection is None or selection[i] is None else prefill_pairs(selection[i], first, n)
             counts[i][1] += present
             if attended is None:
                 counts[i][0] += present
             else:  # counted on the device, read once per step by resolve(): no sync per layer
                 self._attended.append((counts, i, attended.to(torch.int64)))
+
+
+def visible_block_pairs(first: int, n: int) -> int:
+    """Causal (query block, KV block) pairs of query blocks first..n-1: block b sees KV blocks 0..b."""
+    return (first + 1 + n) * (n - first) // 2
 
 
 def prefill_pairs(mask: torch.Tensor, first: int, n: int) -> torch.Tensor:
