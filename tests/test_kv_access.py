@@ -10,7 +10,9 @@ import pickle
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import DEVICES
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import is_host_block, HOST_BASE
 from nanovllm.engine.kv_cache import PagedKVCache
@@ -285,38 +287,72 @@ def test_step_plans_are_plain_and_picklable(tiny_llama):
         assert len(p.on_host) == len(p.block_tables) == len(p.query_lens)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+class HostReadsOnCuda(TorchDispatchMode):
+    """On the CPU, records the ops that would make the host wait for a CUDA device: a value read back
+    (item), a size known only from the data (nonzero, boolean-mask indexing, repeat_interleave without
+    output_size, unique), and an index_put whose value is a 0-dim tensor (a Python scalar, copied from the
+    host first). The CPU stand-in for torch.cuda.set_sync_debug_mode("error"); .tolist() and .cpu() are not
+    dispatched and are caught on the GPU only."""
+
+    SIZE_FROM_DATA = {"aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense", "aten::is_nonzero",
+                      "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in self.SIZE_FROM_DATA:
+            self.found.append(name)
+        elif name == "aten::index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.found.append("aten::index (boolean mask)")
+        elif name == "aten::repeat_interleave" and kwargs.get("output_size") is None and len(args) == 1:
+            self.found.append("aten::repeat_interleave (no output_size)")
+        elif name in ("aten::index_put_", "aten::index_put") and args[2].dim() == 0:
+            self.found.append("aten::index_put (host scalar value)")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", ["xattention", "quest"])
-def test_sparse_prefill_layer_makes_no_host_sync(policy):
+def test_sparse_prefill_layer_makes_no_host_sync(policy, device):
     """A sparse layer of a mixed step (a prefill chunk beside a decode row) queues its work without reading
-    anything back from the device: a sync per layer left the GPU idle while the host built the next one."""
+    anything back from the device: a sync per layer left the GPU idle while the host built the next one.
+    On CUDA torch's sync debug mode raises at the op; on the CPU HostReadsOnCuda lists such ops."""
     from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
 
-    device, bs, blocks = torch.device("cuda"), 64, 40
-    cache = PagedKVCache(1, blocks, bs, HK, 64, torch.bfloat16, device)
+    device, bs, blocks = torch.device(device), 64, 40
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cache = PagedKVCache(1, blocks, bs, HK, 64, dtype, device)
     cache.data.normal_()
     if policy == "quest":
-        bounds = BlockKeyBounds(1, blocks, 0, bs, HK, 64, device, page_size=16, dtype=torch.bfloat16)
+        bounds = BlockKeyBounds(1, blocks, 0, bs, HK, 64, device, page_size=16, dtype=dtype)
         cache.hooks.append(bounds)
         selector = QuestSelector(bounds, token_budget=2 * bs, dense_layers=0, min_context=0)
     else:
         selector = XAttentionSelector(cache, None, threshold=0.5, stride=8, block_size=64, min_context=0)
-    backend = get_attention_backend("triton")
+    backend = get_attention_backend("triton" if device.type == "cuda" else "torch")
     query_lens, seq_lens = [200, 1], [700, 900]
     tables = [list(range(11)), list(range(11, 26))]
     slots = [tables[0][p // bs] * bs + p % bs for p in range(500, 700)] + [tables[1][899 // bs] * bs + 899 % bs]
-    q, k, v = (torch.randn(201, h, 64, device=device, dtype=torch.bfloat16) for h in (HK * GROUP, HK, HK))
+    q, k, v = (torch.randn(201, h, 64, device=device, dtype=dtype) for h in (HK * GROUP, HK, HK))
     for check in (False, True):  # the first call compiles the kernels
         stats = SparseStats(2)
         kv = DeviceKV(cache, backend, backend.build_metadata(query_lens, seq_lens, tables, slots, bs, device),
                       selector, stats)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error" if check else 0)
-        try:
-            kv.attend(0, q, k, v, 0.125)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if check else 0)
+            try:
+                kv.attend(0, q, k, v, 0.125)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        else:
+            with HostReadsOnCuda() as watch:
+                kv.attend(0, q, k, v, 0.125)
+            assert watch.found == []
         stats.resolve()
         narrowed = stats.decode[1] if policy == "quest" else stats.prefill[0]  # Quest narrows decode rows only
         assert 0 < narrowed[0] < narrowed[1]

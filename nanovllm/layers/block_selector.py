@@ -193,7 +193,7 @@ def with_query_blocks(selection: Selection, batch: SelectionInput) -> Selection:
         if mask.dim() == 2:
             mask[:, first:] = True
         else:
-            mask[:, torch.arange(n - first, device=mask.device), torch.arange(first, n, device=mask.device)] = True
+            mask.diagonal(first, 1, 2).fill_(True)  # not an index_put: its True would be copied from the host
         masks.append(mask)
     return masks
 

@@ -236,8 +236,7 @@ class XAttentionSelector(BlockSelector):
         keep = self._fewest_covering(blocks)
         if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
             keep = keep.view(keys.shape[1], -1, *keep.shape[1:]).any(1)
-        rows = torch.arange(keep.shape[1], device=keep.device)
-        keep[:, rows, first_granule + rows] = True  # the diagonal
+        keep.diagonal(first_granule, 1, 2).fill_(True)  # the diagonal (no index_put: its value is a host scalar)
         keep[:, :, 0] = True  # the sink
         n, first_block = -(-seq_len // kv_block), (seq_len - q.shape[0]) // kv_block
         query_granules = torch.arange(first_block, n, device=keep.device) * kv_block // granule - first_granule
