@@ -1,6 +1,7 @@
 """flips.py: per-sample pass -> fail / fail -> pass counts against a reference run, and issue #14's targets."""
 from __future__ import annotations
 
+import gzip
 import json
 
 from nanovllm.eval.ruler.flips import flip_table, flips, hf_run, main, run_from_records
@@ -52,4 +53,7 @@ def test_command_prints_the_table_and_writes_compact_runs(tmp_path, capsys):
     kept = json.loads((tmp_path / "c" / "b.json").read_text())
     assert len(kept) == 2 and "prompt" not in kept[0]
     main([str(tmp_path / "c" / "a.json"), str(tmp_path / "c" / "b.json"), "--names", "a", "b"])  # compact files read back
+    assert "| b | 0 |" in capsys.readouterr().out
+    (tmp_path / "c" / "b.json.gz").write_bytes(gzip.compress((tmp_path / "c" / "b.json").read_bytes()))
+    main([str(tmp_path / "c" / "a.json"), str(tmp_path / "c" / "b.json.gz"), "--names", "a", "b"])  # gzipped too
     assert "| b | 0 |" in capsys.readouterr().out

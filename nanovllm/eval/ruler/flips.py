@@ -9,6 +9,7 @@ flips them one way. The reference file's HF cross-check (`--hf-check`) counts as
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ class Flips:
 
 def load_records(path: str | Path) -> list[dict]:
     """The samples of a ruler.json, or of a compact file (a list of samples, as --compact writes)."""
-    data = json.loads(Path(path).read_text())
+    raw = Path(path).read_bytes()
+    data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
     return data if isinstance(data, list) else data["samples"]
 
 
