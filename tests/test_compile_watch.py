@@ -91,6 +91,36 @@ def test_start_up_mixed_step_leaves_the_engine_as_it_was(tiny_llama):
     assert llm.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("policy", ["full", "xattention", "quest"])
+def test_start_up_steps_of_a_sparse_policy_take_the_per_head_variants(tiny_llama, policy):
+    """Under a sparse policy the start-up steps also attend over per-KV-head tables (prefill and decode rows),
+    as the policy's selections do; under "full" they do not. The outputs after them are unchanged."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.warm_up import compile_step_variants
+
+    options = dict(device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=64,
+                   sparse_policy=policy)
+    prompt, params = [[5, 6, 7, 8] * 10], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(tiny_llama), **options).generate(prompt, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **options)
+    backend, per_head_rows = llm.runner.worker.backend, []
+    forward = backend.forward
+
+    def recording(q, k_cache, v_cache, meta, scale):
+        if meta.block_tables_tensor.dim() == 3:
+            per_head_rows.append(q.shape[0])
+        return forward(q, k_cache, v_cache, meta, scale)
+
+    backend.forward = recording
+    compile_step_variants(llm.runner.worker)
+    backend.forward = forward
+    if policy == "full":
+        assert per_head_rows == []
+    else:  # both layouts' rows (a 32-token prefill chunk beside decode rows), every layer
+        assert sorted(set(per_head_rows)) == [33, 34]
+    assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
+
+
 @pytest.mark.parametrize("block_size, head_dim, num_kv_heads, max_len", [(16, 16, 2, 512), (256, 128, 8, 131072)])
 def test_start_up_mixed_steps_meet_both_decode_variants(block_size, head_dim, num_kv_heads, max_len):
     """The decode kernel over a mixed step's rows writes directly with one split and merges several: one

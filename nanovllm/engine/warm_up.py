@@ -4,8 +4,10 @@ The decode graphs compile what pure decode steps run when they are captured, and
 that sizes the KV pool compiles a whole-prompt prefill. What is left is what a mixed step (a prefill
 chunk beside decoding rows, outside the graphs) and temperature sampling run: the decode kernel over
 chosen rows with one split (a mixed step whose decode rows are all short) and with several, the merge
-of the splits, and the one-pass sampler. Measured on the H200 (kernels/compile_watch.py) before these
-steps: the first batch of 32 requests waited 0.75 s for two of those to compile.
+of the splits, and the one-pass sampler; under a sparse policy also the per-KV-head variants of prefill
+and decode that its selections take. Measured on the H200 (kernels/compile_watch.py) before these
+steps: the first batch of 32 requests waited 0.75 s for two of those to compile, and XAttention's first
+sparse prefill 1.6 s for one.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import itertools
 
 import torch
 
+from nanovllm.layers.block_selector import BlockSelector, Selection, SelectionInput
 from nanovllm.layers.kv_access import DeviceKV
 from nanovllm.layers.sampler import sample_on_device
 from nanovllm.sampling_params import SamplingParams
@@ -39,11 +42,24 @@ def compile_step_variants(worker) -> None:
     layouts = mixed_step_layouts(worker.config.max_model_len, worker.num_blocks * worker.block_size)
     for query_lens, seq_lens in layouts:
         logits = _mixed_step(worker, query_lens, seq_lens)
+    if not worker.selector.dense:  # a sparse policy's steps attend over per-KV-head tables: other variants
+        for query_lens, seq_lens in layouts:
+            _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
     generator = torch.Generator(worker.device).manual_seed(0)  # leaves the engine's own stream untouched
     sample_on_device(logits, [SamplingParams(temperature=1.0)] * logits.shape[0], [None] * logits.shape[0], generator)
 
 
-def _mixed_step(worker, query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+class EveryBlockPerHead(BlockSelector):
+    """Every block, as a per-KV-head selection: the steps take the per-head kernel variants (prefill and
+    decode rows) that a sparse policy's selections use, whatever the rows' lengths."""
+
+    def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection:
+        return [torch.ones(num_kv_heads, batch.num_blocks(i), dtype=torch.bool, device=q.device)
+                for i in range(len(batch.seq_lens))]
+
+
+def _mixed_step(worker, query_lens: list[int], seq_lens: list[int],
+                selector: BlockSelector | None = None) -> torch.Tensor:
     """One forward of these rows over the pool's first blocks; the logits of each row's last token."""
     block_size = worker.block_size
     table = list(range(-(-max(seq_lens) // block_size)))
@@ -52,6 +68,7 @@ def _mixed_step(worker, query_lens: list[int], seq_lens: list[int]) -> torch.Ten
     tables = [table] * len(query_lens)
     meta = worker.backend.build_metadata(query_lens, seq_lens, tables, slots, block_size, worker.device)
     ids = torch.arange(len(positions), device=worker.device) % worker.model.config.vocab_size
-    hidden = worker.model(ids, torch.tensor(positions, device=worker.device), DeviceKV(worker.kv_cache, worker.backend, meta))
+    kv = DeviceKV(worker.kv_cache, worker.backend, meta, selector)
+    hidden = worker.model(ids, torch.tensor(positions, device=worker.device), kv)
     last_rows = torch.tensor(list(itertools.accumulate(query_lens)), device=worker.device) - 1
     return worker.model.compute_logits(hidden[last_rows])

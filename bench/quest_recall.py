@@ -1,0 +1,172 @@
+"""How much of the true attention mass Quest's block choice keeps, against the best any choice could keep.
+
+Runs real prompts (RULER samples) through a dense engine, records each decode step's queries and the keys
+they attend to (post-RoPE, as the cache holds them), and then, per layer past Quest's dense ones, scores
+the blocks as a selection rule would and measures the share of each query head's softmax mass that its
+KV head's chosen blocks (plus the sink and the most recent block) hold. Rules compared at the same budget:
+
+- group max: Quest as built (the page upper bound of each query head, the maximum over the query heads of
+  a KV-head group, the top blocks per KV head);
+- head union: each query head's own top blocks (budget / group size of them), united per KV head;
+- oracle: the blocks holding the most true mass of the group (the best any rule could do).
+
+Any block size can be simulated from one run (the keys do not depend on it). Prints, per rule, the mean
+share of mass kept and the mean of the worst query head's share (retrieval needs every head's), and each
+as a ratio of the oracle's. CPU or GPU:
+
+    python bench/quest_recall.py --model ~/.cache/nanovllm/smollm2-135m \\
+        --samples-file .models/smol_ruler_4k8k.json.gz --task niah_single_2 --lengths 4096 --samples 2
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.eval.ruler.run import load_samples
+from nanovllm.eval.ruler.templates import Prompter
+from nanovllm.layers import kv_access
+from nanovllm.layers.sparse_policies import QUEST_PAGE_SIZE
+
+
+@dataclass
+class DecodeRecord:
+    layer: int
+    q: torch.Tensor  # [Hq, D]
+    keys: torch.Tensor  # [seq_len, Hk, D]
+    scale: float
+
+
+def record_decode_steps(llm: LLM, prompt: list[int], steps: int) -> list[DecodeRecord]:
+    """Queries and keys of the first `steps` decode steps of one prompt, every layer."""
+    records: list[DecodeRecord] = []
+    attend = kv_access.DeviceKV.attend
+
+    def recording(self, layer, q, k, v, scale):
+        out = attend(self, layer, q, k, v, scale)
+        if self.meta.query_lens == [1]:
+            k_cache, _ = self.cache.layer(layer)
+            n = self.meta.seq_lens[0]
+            table = torch.tensor(self.meta.block_tables[0], dtype=torch.int64, device=k_cache.device)
+            keys = k_cache.index_select(0, table).flatten(0, 1)[:n]
+            records.append(DecodeRecord(layer, q[0].float().cpu(), keys.float().cpu(), scale))
+        return out
+
+    kv_access.DeviceKV.attend = recording
+    try:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True), use_tqdm=False)
+    finally:
+        kv_access.DeviceKV.attend = attend
+    return records
+
+
+def head_block_mass(r: DecodeRecord, block: int) -> torch.Tensor:
+    """True softmax mass of each query head on each block: [Hq, blocks]."""
+    num_heads, num_kv = r.q.shape[0], r.keys.shape[1]
+    keys = r.keys.repeat_interleave(num_heads // num_kv, 1)  # [n, Hq, D]
+    p = torch.softmax(torch.einsum("hd,nhd->hn", r.q, keys) * r.scale, -1)
+    return blocks_sum(p, block)
+
+
+def head_block_bound(r: DecodeRecord, block: int) -> torch.Tensor:
+    """Quest's upper bound of each query head on each block (the maximum over its 16-token pages): [Hq, blocks]."""
+    n, num_kv, dim = r.keys.shape
+    pages = -(-n // QUEST_PAGE_SIZE)
+    padded = torch.cat([r.keys, r.keys[-1:].expand(pages * QUEST_PAGE_SIZE - n, num_kv, dim)])
+    lo, hi = (f(padded.view(pages, QUEST_PAGE_SIZE, num_kv, dim), 1) for f in (torch.amin, torch.amax))
+    group = r.q.shape[0] // num_kv
+    lo, hi = lo.repeat_interleave(group, 1), hi.repeat_interleave(group, 1)  # [pages, Hq, D]
+    page_bound = torch.maximum(r.q * hi, r.q * lo).sum(-1).T  # [Hq, pages]
+    per_block = block // QUEST_PAGE_SIZE
+    blocks = -(-n // block)
+    padded_bound = torch.full((page_bound.shape[0], blocks * per_block), float("-inf"))
+    padded_bound[:, :pages] = page_bound
+    return padded_bound.view(-1, blocks, per_block).amax(-1)
+
+
+def blocks_sum(p: torch.Tensor, block: int) -> torch.Tensor:
+    n = p.shape[-1]
+    blocks = -(-n // block)
+    return torch.nn.functional.pad(p, (0, blocks * block - n)).view(*p.shape[:-1], blocks, block).sum(-1)
+
+
+def choose(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """[rows, blocks] scores -> bool keep: the sink, the most recent block and the top `budget` of the rest."""
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    keep[:, 0] = keep[:, -1] = True
+    middle = scores[:, 1:-1]
+    if middle.shape[1] > 0:
+        top = middle.topk(min(budget, middle.shape[1]), dim=1).indices + 1
+        keep.scatter_(1, top, True)
+    return keep
+
+
+def selections(mass: torch.Tensor, bound: torch.Tensor, num_kv: int, budget: int) -> dict[str, torch.Tensor]:
+    """Per rule, keep [Hk, blocks]."""
+    group = mass.shape[0] // num_kv
+    per_group = lambda x: x.view(num_kv, group, -1)  # noqa: E731
+    share = max(1, budget // group)
+    union = choose(bound, share).view(num_kv, group, -1).any(1)
+    return {"group max": choose(per_group(bound).amax(1), budget),
+            "head union": union,
+            "oracle": choose(per_group(mass).sum(1), budget)}
+
+
+def kept_mass(mass: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Each query head's mass on its KV head's kept blocks: [Hq]."""
+    group = mass.shape[0] // keep.shape[0]
+    return (mass * keep.repeat_interleave(group, 0)).sum(-1)
+
+
+def evaluate(records: list[DecodeRecord], block: int, budget_tokens: int, dense_layers: int) -> dict[str, tuple[float, float]]:
+    """Per rule, (mean share of a query head's mass kept, mean of the worst head's share) over the records."""
+    totals: dict[str, list[float]] = {}
+    budget = max(1, budget_tokens // block)
+    for r in records:
+        if r.layer < dense_layers or math.ceil(r.keys.shape[0] / block) <= budget + 2:
+            continue
+        mass, bound = head_block_mass(r, block), head_block_bound(r, block)
+        for rule, keep in selections(mass, bound, r.keys.shape[1], budget).items():
+            kept = kept_mass(mass, keep)
+            total = totals.setdefault(rule, [0.0, 0.0, 0])
+            total[0] += kept.mean().item()
+            total[1] += kept.min().item()
+            total[2] += 1
+    return {rule: (mean / count, worst / count) for rule, (mean, worst, count) in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--samples-file", required=True)
+    parser.add_argument("--task", default="niah_single_2")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=4)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[256, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[2048])
+    parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+    samples = [s for s in load_samples(args.samples_file) if s["task"] == args.task and s["length"] in args.lengths]
+    llm = LLM(args.model, sparse_policy="full", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=max(args.lengths), **({"device": args.device} if args.device else {}))
+    prompter = Prompter(llm.tokenizer, "chat")
+    for length in args.lengths:
+        chosen = [s for s in samples if s["length"] == length][: args.samples]
+        records = [r for s in chosen for r in record_decode_steps(llm, prompter.encode(s["prompt"]), args.decode_steps)]
+        for block in args.block_sizes:
+            for budget in args.budgets:
+                result = evaluate(records, block, budget, args.dense_layers)
+                oracle_mean, oracle_worst = result["oracle"]
+                cells = ", ".join(f"{rule} {m:.3f} / worst head {w:.3f} ({m / oracle_mean:.2f}x / {w / oracle_worst:.2f}x "
+                                  f"of oracle)" for rule, (m, w) in result.items())
+                print(f"{args.task} {length}, {len(chosen)} samples x {args.decode_steps} steps, block {block}, "
+                      f"budget {budget}: mass kept: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
