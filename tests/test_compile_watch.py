@@ -59,11 +59,13 @@ def test_events_name_what_the_variant_is_specialised_on():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_compilation_on_the_request_path(tiny_llama):
+@pytest.mark.parametrize("policy", ["full", "xattention+quest"])
+def test_no_compilation_on_the_request_path(tiny_llama, policy):
     from nanovllm import LLM, SamplingParams
     from nanovllm.kernels.compile_watch import WATCH
 
-    llm = LLM(str(tiny_llama), device="cuda", kvcache_block_size=16, num_gpu_blocks=256, max_num_batched_tokens=256)
+    llm = LLM(str(tiny_llama), device="cuda", kvcache_block_size=16, num_gpu_blocks=256, max_num_batched_tokens=256,
+              sparse_policy=policy, sparse_min_context=0, xattn_block_size=16, xattn_stride=4, quest_token_budget=32)
     seen = len(WATCH.request_path_events())
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1)
