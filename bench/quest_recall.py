@@ -2,8 +2,8 @@
 
 Runs real prompts (RULER samples) through a dense engine, records each decode step's queries and the keys
 they attend to (post-RoPE, as the cache holds them), and then, per layer past Quest's dense ones, scores
-the blocks as a selection rule would and measures the share of each query head's softmax mass that its
-KV head's chosen blocks (plus the sink and the most recent block) hold. Rules compared at the same budget:
+the blocks as a selection rule would and measures, of each query head's softmax mass between the sink and
+the most recent block (both always kept), the share on its KV head's chosen blocks. Rules compared at the same budget:
 
 - group max: Quest as built (the page upper bound of each query head, the maximum over the query heads of
   a KV-head group, the top blocks per KV head);
@@ -11,8 +11,8 @@ KV head's chosen blocks (plus the sink and the most recent block) hold. Rules co
 - oracle: the blocks holding the most true mass of the group (the best any rule could do).
 
 Any block size can be simulated from one run (the keys do not depend on it). Prints, per rule, the mean
-share of mass kept and the mean of the worst query head's share (retrieval needs every head's), and each
-as a ratio of the oracle's. CPU or GPU:
+share kept, the mean of the worst query head's share (retrieval needs every head's), each as a ratio of
+the oracle's, and how often a KV head keeps the needle's blocks (the answer's tokens in the prompt). CPU or GPU:
 
     python bench/quest_recall.py --model ~/.cache/nanovllm/smollm2-135m \\
         --samples-file .models/smol_ruler_4k8k.json.gz --task niah_single_2 --lengths 4096 --samples 2
@@ -38,9 +38,10 @@ class DecodeRecord:
     q: torch.Tensor  # [Hq, D]
     keys: torch.Tensor  # [seq_len, Hk, D]
     scale: float
+    needle: list[int]  # positions of the answer's tokens in the prompt (empty: not found)
 
 
-def record_decode_steps(llm: LLM, prompt: list[int], steps: int) -> list[DecodeRecord]:
+def record_decode_steps(llm: LLM, prompt: list[int], steps: int, needle: list[int]) -> list[DecodeRecord]:
     """Queries and keys of the first `steps` decode steps of one prompt, every layer."""
     records: list[DecodeRecord] = []
     attend = kv_access.DeviceKV.attend
@@ -52,7 +53,7 @@ def record_decode_steps(llm: LLM, prompt: list[int], steps: int) -> list[DecodeR
             n = self.meta.seq_lens[0]
             table = torch.tensor(self.meta.block_tables[0], dtype=torch.int64, device=k_cache.device)
             keys = k_cache.index_select(0, table).flatten(0, 1)[:n]
-            records.append(DecodeRecord(layer, q[0].float().cpu(), keys.float().cpu(), scale))
+            records.append(DecodeRecord(layer, q[0].float().cpu(), keys.float().cpu(), scale, needle))
         return out
 
     kv_access.DeviceKV.attend = recording
@@ -116,26 +117,43 @@ def selections(mass: torch.Tensor, bound: torch.Tensor, num_kv: int, budget: int
 
 
 def kept_mass(mass: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Each query head's mass on its KV head's kept blocks: [Hq]."""
+    """Each query head's share of its mass between the sink and the most recent block (the part a rule
+    chooses from; the two fixed blocks often hold most of it) on its KV head's kept blocks: [Hq]."""
     group = mass.shape[0] // keep.shape[0]
-    return (mass * keep.repeat_interleave(group, 0)).sum(-1)
+    middle = mass[:, 1:-1]
+    kept = (middle * keep.repeat_interleave(group, 0)[:, 1:-1]).sum(-1)
+    return kept / middle.sum(-1).clamp(min=1e-30)
 
 
-def evaluate(records: list[DecodeRecord], block: int, budget_tokens: int, dense_layers: int) -> dict[str, tuple[float, float]]:
-    """Per rule, (mean share of a query head's mass kept, mean of the worst head's share) over the records."""
+def needle_positions(prompt: list[int], answer: list[int]) -> list[int]:
+    """Where the answer's tokens stand in the prompt (the first match), or []."""
+    n = len(answer)
+    starts = [i for i in range(len(prompt) - n + 1) if prompt[i : i + n] == answer]
+    return list(range(starts[0], starts[0] + n)) if starts and n else []
+
+
+def evaluate(records: list[DecodeRecord], block: int, budget_tokens: int,
+             dense_layers: int) -> dict[str, tuple[float, float, float]]:
+    """Per rule, over the records: the mean share of a query head's mass kept, the mean of the worst head's
+    share, and how often a KV head keeps every block of the needle (the answer in the prompt)."""
     totals: dict[str, list[float]] = {}
     budget = max(1, budget_tokens // block)
     for r in records:
         if r.layer < dense_layers or math.ceil(r.keys.shape[0] / block) <= budget + 2:
             continue
         mass, bound = head_block_mass(r, block), head_block_bound(r, block)
+        needle_blocks = sorted({p // block for p in r.needle})
         for rule, keep in selections(mass, bound, r.keys.shape[1], budget).items():
             kept = kept_mass(mass, keep)
-            total = totals.setdefault(rule, [0.0, 0.0, 0])
+            total = totals.setdefault(rule, [0.0, 0.0, 0.0, 0, 0])
             total[0] += kept.mean().item()
             total[1] += kept.min().item()
-            total[2] += 1
-    return {rule: (mean / count, worst / count) for rule, (mean, worst, count) in totals.items()}
+            total[3] += 1
+            if needle_blocks:
+                total[2] += keep[:, needle_blocks].all(1).float().mean().item()
+                total[4] += 1
+    return {rule: (mean / count, worst / count, needle / max(1, found))
+            for rule, (mean, worst, needle, count, found) in totals.items()}
 
 
 def main() -> None:
@@ -157,15 +175,19 @@ def main() -> None:
     prompter = Prompter(llm.tokenizer, "chat")
     for length in args.lengths:
         chosen = [s for s in samples if s["length"] == length][: args.samples]
-        records = [r for s in chosen for r in record_decode_steps(llm, prompter.encode(s["prompt"]), args.decode_steps)]
+        records = []
+        for s in chosen:
+            prompt = prompter.encode(s["prompt"])
+            answer = llm.tokenizer.encode(s["references"][0], add_special_tokens=False)
+            records += record_decode_steps(llm, prompt, args.decode_steps, needle_positions(prompt, answer))
         for block in args.block_sizes:
             for budget in args.budgets:
                 result = evaluate(records, block, budget, args.dense_layers)
-                oracle_mean, oracle_worst = result["oracle"]
-                cells = ", ".join(f"{rule} {m:.3f} / worst head {w:.3f} ({m / oracle_mean:.2f}x / {w / oracle_worst:.2f}x "
-                                  f"of oracle)" for rule, (m, w) in result.items())
+                oracle_mean, oracle_worst, _ = result["oracle"]
+                cells = "; ".join(f"{rule}: {m:.3f} ({m / oracle_mean:.2f}x oracle), worst head {w:.3f} "
+                                  f"({w / oracle_worst:.2f}x), needle kept {n:.2f}" for rule, (m, w, n) in result.items())
                 print(f"{args.task} {length}, {len(chosen)} samples x {args.decode_steps} steps, block {block}, "
-                      f"budget {budget}: mass kept: {cells}", flush=True)
+                      f"budget {budget}: share of the middle's mass kept: {cells}", flush=True)
 
 
 if __name__ == "__main__":
