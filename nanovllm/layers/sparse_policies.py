@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from nanovllm.layers.block_metadata import BlockKeyBounds
 from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput
@@ -237,7 +238,9 @@ class XAttentionSelector(BlockSelector):
         if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
             keep = keep.view(keys.shape[1], -1, *keep.shape[1:]).any(1)
         keep.diagonal(first_granule, 1, 2).fill_(True)  # the diagonal (no index_put: its value is a host scalar)
-        keep[:, :, 0] = True  # the sink
+        keep[:, :, 0].fill_(True)  # the sink
+        if granule == kv_block:
+            return keep
         n, first_block = -(-seq_len // kv_block), (seq_len - q.shape[0]) // kv_block
         query_granules = torch.arange(first_block, n, device=keep.device) * kv_block // granule - first_granule
         key_granules = torch.arange(n, device=keep.device) * kv_block // granule
@@ -248,24 +251,23 @@ class XAttentionSelector(BlockSelector):
         """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
         holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
         the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
-        never straddle chunks."""
-        seq_len, num_kv_heads = keys.shape[:2]
+        never straddle chunks, nor granules (the stride divides the granule)."""
+        seq_len = keys.shape[0]
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
-        per_head = self.cover == "head"
-        rows = q.shape[1] if per_head else num_kv_heads
-        out = torch.zeros(rows, num_granules - first_granule, num_granules, device=q.device)
+        tiles_per_granule = granule // self.stride
         step = max(granule, chunk // granule * granule)
+        parts = []
         for lo in range(first_granule * granule, seq_len, step):
             hi = min(seq_len, lo + step)
             queries = slice(max(lo, start) - start, hi - start)
-            mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, per_head)  # [Hk or Hq, T, U]
-            tiles_q = (first_tile + torch.arange(mass.shape[1], device=q.device)) * self.stride // granule
-            tiles_k = torch.arange(mass.shape[2], device=q.device) * self.stride // granule
-            per_key = torch.zeros(rows, mass.shape[1], num_granules, device=q.device)
-            per_key.index_add_(2, tiles_k, mass.float())
-            out.index_add_(1, tiles_q - first_granule, per_key)
-        return out, first_granule
+            mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, self.cover == "head")
+            # zero tiles before the first query and past the last tiles, to whole granules: one sum per granule
+            lead, rows = first_tile - lo // self.stride, -(-(hi - lo) // granule)
+            whole = F.pad(mass, (0, num_granules * tiles_per_granule - mass.shape[2],
+                                 lead, rows * tiles_per_granule - lead - mass.shape[1]))
+            parts.append(whole.view(mass.shape[0], rows, tiles_per_granule, num_granules, tiles_per_granule).sum((2, 4)))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
     def _fewest_covering(self, blocks: torch.Tensor) -> torch.Tensor:
         """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""
@@ -290,19 +292,17 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int,
     first_tile, num_key_tiles = start // stride, -(-seq_len // stride)
     num_query_tiles = num_key_tiles - first_tile
     work = q.dtype if q.is_cuda else torch.float32  # half-precision matmuls on the tensor cores
-    queries = q.new_zeros(num_query_tiles * stride, num_heads, dim, dtype=work)
-    queries[start - first_tile * stride : start - first_tile * stride + n_q] = q.to(work) / (dim**0.5 * stride)
-    padded_keys = keys.new_zeros(num_key_tiles * stride, num_kv_heads, dim, dtype=work)
-    padded_keys[:seq_len] = keys.to(work)
+    lead = start - first_tile * stride  # zero rows before the first query, in its tile
+    queries = F.pad(q.to(work) / (dim**0.5 * stride), (0, 0, 0, 0, lead, num_query_tiles * stride - lead - n_q))
+    padded_keys = F.pad(keys.to(work), (0, 0, 0, 0, 0, num_key_tiles * stride - seq_len))
     group = num_heads // num_kv_heads
     q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim).flip(1)
     q_rows = q_tiles.permute(2, 3, 0, 1, 4).reshape(num_kv_heads, group * num_query_tiles, stride * dim)
     k_rows = padded_keys.view(num_key_tiles, stride, num_kv_heads, dim).permute(2, 0, 1, 3).reshape(
         num_kv_heads, num_key_tiles, stride * dim)
     scores = torch.bmm(q_rows, k_rows.transpose(1, 2)).view(num_kv_heads, group, num_query_tiles, num_key_tiles)
-    visible = torch.arange(num_key_tiles, device=q.device)[None, :] <= \
-        (first_tile + torch.arange(num_query_tiles, device=q.device))[:, None]
-    probs = scores.float().masked_fill_(~visible, float("-inf")).softmax(-1)
+    hidden = torch.ones(num_query_tiles, num_key_tiles, dtype=torch.bool, device=q.device).triu_(first_tile + 1)
+    probs = scores.float().masked_fill_(hidden, float("-inf")).softmax(-1)  # query tile t sees key tiles <= it
     return (probs.flatten(0, 1) if per_query_head else probs.sum(1)), first_tile
 
 
