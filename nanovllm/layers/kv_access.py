@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput,
@@ -40,6 +41,7 @@ class DeviceKV(KVAccess):
         self.cache, self.backend, self.meta = cache, backend, meta
         self.selector, self.stats = selector or DenseSelector(), stats
         self.layout: DecodeLayout | None = None
+        self.group_plans: dict[tuple[int | None, ...], tuple[GroupPlan, torch.Tensor]] = {}  # with their pool ids
 
     def _layout(self, batch: SelectionInput) -> DecodeLayout:
         if self.layout is None:
@@ -58,9 +60,13 @@ class DeviceKV(KVAccess):
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         if isinstance(selection, DeviceSelection):
             return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale)
-        groups = query_groups(batch, selection)
-        ids = groups.pool_ids([torch.tensor(t, dtype=torch.int64) for t in batch.block_tables])
-        meta = group_metadata(self.backend, groups, ids, self.meta.block_size, q.device)
+        key = group_plan_key(selection)
+        if key not in self.group_plans:  # the same for every layer of the step
+            plan = GroupPlan(batch, selection)
+            self.group_plans[key] = plan, plan.groups(selection).pool_ids(
+                [torch.tensor(t, dtype=torch.int64) for t in batch.block_tables])
+        plan, ids = self.group_plans[key]
+        meta = group_metadata(self.backend, plan.groups(selection), ids, self.meta.block_size, q.device)
         return self.backend.forward(q, k_cache, v_cache, meta, scale)
 
 
@@ -158,42 +164,77 @@ class QueryGroups:
         return ids[torch.tensor(self.seq, dtype=torch.int64)].to(self.mask.device, non_blocking=True)
 
 
+class GroupPlan:
+    """What query_groups builds once per step for selections of one shape (per sequence None, a [Hk, blocks]
+    or a [Hk, query blocks, blocks] mask): the groups, their ends, and the None rows' masks. Per layer only
+    the masks are put together (`groups`)."""
+
+    def __init__(self, batch: SelectionInput, selection: Selection):
+        masked = [m for m in selection if m is not None]
+        self.num_kv_heads, self.device = masked[0].shape[0], masked[0].device
+        self.width = max(batch.num_blocks(i) for i in range(len(selection)))
+        self.seq, self.count, self.ends = [], [], []
+        self.parts: list[int | torch.Tensor] = []  # per run of groups: a masked sequence, or the None rows' masks
+        whole: list[int] = []  # blocks of the current run of None rows
+        for i, mask in enumerate(selection):
+            if mask is None:
+                whole.append(batch.num_blocks(i))
+            else:
+                self._close_run(whole)
+                self.parts.append(i)
+            if mask is None or mask.dim() == 2:
+                self._add_group(i, batch.query_lens[i], batch.seq_lens[i])
+            else:
+                self._add_query_blocks(batch, i, mask.shape[1])
+        self._close_run(whole)
+        self.end = torch.tensor(self.ends, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.visible = -(-self.end // batch.block_size)
+        self.first_query_block = [batch.first_query_block(i) for i in range(len(selection))]
+
+    def _add_group(self, seq: int, count: int, end: int) -> None:
+        self.seq.append(seq)
+        self.count.append(count)
+        self.ends.append(end)
+
+    def _add_query_blocks(self, batch: SelectionInput, i: int, num_rows: int) -> None:
+        """One group per block holding sequence i's queries: its rows, causal up to the block's end."""
+        first, bs, end, count = batch.first_query_block(i), batch.block_size, batch.seq_lens[i], batch.query_lens[i]
+        for b in range(first, first + num_rows):
+            upper, lower = min((b + 1) * bs, end), max(b * bs, end - count)
+            self._add_group(i, upper - lower, upper)
+
+    def _close_run(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        counts = torch.tensor(blocks, dtype=torch.int64).to(self.device, non_blocking=True)
+        prefix = torch.arange(self.width, device=self.device)[None, :] < counts[:, None]
+        self.parts.append(prefix[:, None, :].expand(-1, self.num_kv_heads, -1))
+        blocks.clear()
+
+    def groups(self, selection: Selection) -> QueryGroups:
+        """This layer's groups: the masks of `selection` (of this plan's shape) in the groups' rows."""
+        rows = [part if isinstance(part, torch.Tensor) else self._rows(part, selection[part]) for part in self.parts]
+        mask = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return QueryGroups(self.seq, self.count, self.ends, self.end, self.visible, mask)
+
+    def _rows(self, i: int, mask: torch.Tensor) -> torch.Tensor:
+        """[groups of sequence i, Hk, width]: a [Hk, blocks] mask for its one group, a [Hk, query blocks,
+        blocks] one causal per query block (block b of the sequence sees blocks <= b)."""
+        mask = mask.to(self.device)
+        rows = mask[None] if mask.dim() == 2 else mask.tril(self.first_query_block[i]).transpose(0, 1)
+        return rows if rows.shape[-1] == self.width else F.pad(rows, (0, self.width - rows.shape[-1]))
+
+
+def group_plan_key(selection: Selection) -> tuple[int | None, ...]:
+    """Selections with equal keys share a GroupPlan within a step."""
+    return tuple(None if m is None else m.dim() for m in selection)
+
+
 def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
     """One group per sequence for a [Hk, blocks] mask or None (every block), one per query block for
     [Hk, query blocks, blocks]. The None rows (decode rows beside a sparse prefill, say) cost no tensor
     operation each: they are switched on together."""
-    masked = [m for m in selection if m is not None]
-    num_kv_heads, device = masked[0].shape[0], masked[0].device
-    width = max(batch.num_blocks(i) for i in range(len(selection)))
-    seqs, counts, ends, masks, whole = [], [], [], [], []  # whole: (group, blocks) of None rows
-    for i, mask in enumerate(selection):
-        count, end, bs = batch.query_lens[i], batch.seq_lens[i], batch.block_size
-        if mask is None or mask.dim() == 2:
-            if mask is None:
-                whole.append((len(seqs), batch.num_blocks(i)))
-            else:
-                masks.append((len(seqs), mask[None].to(device)))
-            seqs.append(i)
-            counts.append(count)
-            ends.append(end)
-            continue
-        first, num_rows = batch.first_query_block(i), mask.shape[1]
-        upper = torch.clamp((first + torch.arange(1, num_rows + 1)) * bs, max=end)
-        lower = torch.clamp((first + torch.arange(num_rows)) * bs, min=end - count)
-        causal = torch.arange(mask.shape[-1], device=device)[None, :] <= \
-            (first + torch.arange(num_rows, device=device))[:, None]
-        masks.append((len(seqs), mask.to(device).transpose(0, 1) & causal[:, None, :]))
-        seqs += [i] * num_rows
-        counts += (upper - lower).tolist()
-        ends += upper.tolist()
-    padded = torch.zeros(len(seqs), num_kv_heads, width, dtype=torch.bool, device=device)
-    for row, m in masks:
-        padded[row : row + m.shape[0], :, : m.shape[-1]] = m
-    if whole:
-        rows, blocks = (torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in zip(*whole))
-        padded[rows] = (torch.arange(width, device=device)[None, :] < blocks[:, None])[:, None, :]
-    end = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)
-    return QueryGroups(seqs, counts, ends, end, -(-end // batch.block_size), padded)
+    return GroupPlan(batch, selection).groups(selection)
 
 
 def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: torch.Tensor, block_size: int,
