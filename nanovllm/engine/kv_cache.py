@@ -24,13 +24,14 @@ class PagedKVCache:
                  dtype: torch.dtype, device: torch.device):
         self.data = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.hooks: list[KVHook] = []
+        self._layers = [(self.data[0, i], self.data[1, i]) for i in range(num_layers)]  # views made once
 
     @property
     def num_kv_heads(self) -> int:
         return self.data.shape[4]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[0, i], self.data[1, i]
+        return self._layers[i]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new k, v [T, Hk, D] at flat slots [T], then tell the hooks."""

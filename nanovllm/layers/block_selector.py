@@ -258,12 +258,11 @@ def prefill_pairs(mask: torch.Tensor, first: int, n: int) -> torch.Tensor:
     """(query block, KV block) pairs a prefill mask attends (a 0-dim tensor on the mask's device), over the
     query blocks first..n-1 (block b sees KV blocks 0..b): a [Hk, blocks] mask is shared by every query
     block, [Hk, query blocks, blocks] is not."""
-    columns = torch.arange(n, device=mask.device)
     if mask.dim() == 2:
+        columns = torch.arange(n, device=mask.device)
         rows_seeing = (n - torch.clamp(columns, min=first)).to(torch.int64)  # query blocks >= max(c, first)
         return (mask.to(torch.int64) * rows_seeing).sum()
-    causal = columns[None, :] <= (first + torch.arange(n - first, device=mask.device))[:, None]
-    return (mask & causal).sum()
+    return mask.tril(first).sum()  # query block first + r sees KV blocks <= first + r
 
 
 _SELECTORS: dict[str, type[BlockSelector]] = {}

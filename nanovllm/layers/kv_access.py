@@ -149,8 +149,9 @@ class QueryGroups:
     seq: list[int]
     count: list[int]
     ends: list[int]  # end of each group, on the host
-    end: torch.Tensor  # [G] int64, the same on the mask's device
-    visible: torch.Tensor  # [G] int64, blocks up to end
+    # [G, 1] int64 on the mask's device: end - visible blocks * block_size, a head's KV length (causal) less
+    # its kept blocks' tokens
+    short_of_kept: torch.Tensor
     mask: torch.Tensor  # [G, Hk, max blocks] bool
 
     def visible_blocks(self, block_size: int) -> list[int]:
@@ -187,8 +188,9 @@ class GroupPlan:
             else:
                 self._add_query_blocks(batch, i, mask.shape[1])
         self._close_run(whole)
-        self.end = torch.tensor(self.ends, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.visible = -(-self.end // batch.block_size)
+        bs = batch.block_size
+        short = [e - -(-e // bs) * bs for e in self.ends]
+        self.short_of_kept = torch.tensor(short, dtype=torch.int64)[:, None].to(self.device, non_blocking=True)
         self.first_query_block = [batch.first_query_block(i) for i in range(len(selection))]
 
     def _add_group(self, seq: int, count: int, end: int) -> None:
@@ -215,7 +217,7 @@ class GroupPlan:
         """This layer's groups: the masks of `selection` (of this plan's shape) in the groups' rows."""
         rows = [part if isinstance(part, torch.Tensor) else self._rows(part, selection[part]) for part in self.parts]
         mask = rows[0] if len(rows) == 1 else torch.cat(rows)
-        return QueryGroups(self.seq, self.count, self.ends, self.end, self.visible, mask)
+        return QueryGroups(self.seq, self.count, self.ends, self.short_of_kept, mask)
 
     def _rows(self, i: int, mask: torch.Tensor) -> torch.Tensor:
         """[groups of sequence i, Hk, width]: a [Hk, blocks] mask for its one group, a [Hk, query blocks,
@@ -246,13 +248,12 @@ def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: tor
     the lengths' bounds come from the groups' ends, known on the host."""
     keep = groups.mask & (pool_ids >= 0)[:, None, :]
     kept = keep.sum(-1)  # [G, Hk]
-    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices  # kept blocks first, in order
+    order = torch.sort(keep.to(torch.int8), dim=-1, descending=True, stable=True).indices  # kept first, in order
     visible = groups.visible_blocks(block_size)
     width = max(1, min(keep.shape[-1], max(visible, default=1)))
-    tables = pool_ids[:, None, :].expand_as(keep).gather(-1, order[..., :width])
-    tables = torch.where(torch.arange(width, device=keep.device) < kept[..., None], tables, -1)
+    tables = torch.where(keep, pool_ids[:, None, :], -1).gather(-1, order[..., :width])  # dropped ones: -1
     if causal:
-        lengths, bounds = groups.end[:, None] - (groups.visible[:, None] - kept) * block_size, groups.ends
+        lengths, bounds = kept * block_size + groups.short_of_kept, groups.ends
     else:
         lengths, bounds = kept * block_size, [v * block_size for v in visible]
     return backend.build_head_metadata(groups.count, lengths, tables, block_size, device, max_seq_lens=bounds)
