@@ -54,7 +54,7 @@ class DeviceKV(KVAccess):
         if self.selector.dense:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size, self.meta.block_tables,
-                               stats=self.stats)
+                               stats=self.stats, device_tables=self.meta.block_tables_tensor)
         selection = select_for_step(self.selector, layer, q, k_cache.shape[2], batch, self._layout)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)

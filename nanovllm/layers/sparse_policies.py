@@ -215,8 +215,7 @@ class XAttentionSelector(BlockSelector):
         n, table = batch.num_blocks(i), batch.block_tables[i]
         flags = batch.on_host[i][:n] if batch.on_host else [False] * n
         k_cache = self.cache.layer(layer)[0]
-        device_ids = [0 if host else b for b, host in zip(table[:n], flags)]
-        blocks = k_cache.index_select(0, torch.tensor(device_ids, dtype=torch.int64).to(k_cache.device, non_blocking=True))
+        blocks = k_cache.index_select(0, self._device_ids(batch, i, flags, k_cache.device))
         host = [c for c in range(n) if flags[c]]
         if host:
             host_ids = [table[c] for c in host]
@@ -227,6 +226,16 @@ class XAttentionSelector(BlockSelector):
             if batch.stats is not None:
                 batch.stats.host_bytes[i] += len(host) * self.host_pool.block_bytes_per_layer // 2
         return blocks.flatten(0, 1)[: batch.seq_lens[i]]
+
+    @staticmethod
+    def _device_ids(batch: SelectionInput, i: int, on_host: list[bool], device: torch.device) -> torch.Tensor:
+        """Sequence i's blocks in the device pool (0 for its host blocks), on the device: a view of the step's
+        device tables where the strategy has them (no copy per layer)."""
+        n = len(on_host)
+        if batch.device_tables is not None and batch.on_host is None:
+            return batch.device_tables[i, :n]
+        ids = [0 if host else b for b, host in zip(batch.block_tables[i][:n], on_host)]
+        return torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
 
     def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor, kv_block: int) -> torch.Tensor:
         """q [n_q, Hq, D] (the last n_q of seq_len positions), keys [seq_len, Hk, D] -> bool
