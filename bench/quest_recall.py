@@ -12,7 +12,7 @@ the most recent block (both always kept), the share on its KV head's chosen bloc
 
 Any block size can be simulated from one run (the keys do not depend on it). Prints, per rule, the mean
 share kept, the mean of the worst query head's share (retrieval needs every head's), each as a ratio of
-the oracle's, and how often a KV head keeps the needle's blocks (the answer's tokens in the prompt). CPU or GPU:
+the oracle's, and the share of the mass on the needle's blocks (the answer's tokens in the prompt) kept. CPU or GPU:
 
     python bench/quest_recall.py --model ~/.cache/nanovllm/smollm2-135m \\
         --samples-file .models/smol_ruler_4k8k.json.gz --task niah_single_2 --lengths 4096 --samples 2
@@ -135,7 +135,7 @@ def needle_positions(prompt: list[int], answer: list[int]) -> list[int]:
 def evaluate(records: list[DecodeRecord], block: int, budget_tokens: int,
              dense_layers: int) -> dict[str, tuple[float, float, float]]:
     """Per rule, over the records: the mean share of a query head's mass kept, the mean of the worst head's
-    share, and how often a KV head keeps every block of the needle (the answer in the prompt)."""
+    share, and the share of the mass on the needle's blocks (the answer in the prompt) that is kept."""
     totals: dict[str, list[float]] = {}
     budget = max(1, budget_tokens // block)
     for r in records:
@@ -149,8 +149,11 @@ def evaluate(records: list[DecodeRecord], block: int, budget_tokens: int,
             total[0] += kept.mean().item()
             total[1] += kept.min().item()
             total[3] += 1
-            if needle_blocks:
-                total[2] += keep[:, needle_blocks].all(1).float().mean().item()
+            if needle_blocks:  # the needle's mass (over the group's heads) that the kept blocks hold
+                group = mass.shape[0] // keep.shape[0]
+                on_needle = mass[:, needle_blocks]
+                kept_needle = (on_needle * keep[:, needle_blocks].repeat_interleave(group, 0)).sum()
+                total[2] += (kept_needle / on_needle.sum().clamp(min=1e-30)).item()
                 total[4] += 1
     return {rule: (mean / count, worst / count, needle / max(1, found))
             for rule, (mean, worst, needle, count, found) in totals.items()}
@@ -185,7 +188,7 @@ def main() -> None:
                 result = evaluate(records, block, budget, args.dense_layers)
                 oracle_mean, oracle_worst, _ = result["oracle"]
                 cells = "; ".join(f"{rule}: {m:.3f} ({m / oracle_mean:.2f}x oracle), worst head {w:.3f} "
-                                  f"({w / oracle_worst:.2f}x), needle kept {n:.2f}" for rule, (m, w, n) in result.items())
+                                  f"({w / oracle_worst:.2f}x), needle mass kept {n:.2f}" for rule, (m, w, n) in result.items())
                 print(f"{args.task} {length}, {len(chosen)} samples x {args.decode_steps} steps, block {block}, "
                       f"budget {budget}: share of the middle's mass kept: {cells}", flush=True)
 

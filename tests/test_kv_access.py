@@ -356,3 +356,28 @@ def test_sparse_prefill_layer_makes_no_host_sync(policy, device):
         stats.resolve()
         narrowed = stats.decode[1] if policy == "quest" else stats.prefill[0]  # Quest narrows decode rows only
         assert 0 < narrowed[0] < narrowed[1]
+
+
+def test_a_sparse_steps_layers_share_their_metadata_plans(tiny_llama):
+    """The per-KV-head metadata of one step's sparse layers share the backend's plans (kernel work schedules,
+    built once per step on the GPU) and the query offsets: same query counts and length bounds in every
+    layer. Another step gets its own."""
+    llm = LLM(str(tiny_llama), kvcache_block_size=BS, num_gpu_blocks=64, max_num_batched_tokens=64, device="cpu",
+              sparse_policy="xattention", sparse_min_context=0, xattn_block_size=16, xattn_stride=4,
+              xattn_threshold=0.5)
+    backend, seen = llm.runner.worker.backend, []
+    forward = backend.forward
+
+    def recording(q, k_cache, v_cache, meta, scale, *rest):
+        if meta.block_tables_tensor.dim() == 3:
+            seen.append(meta)
+        return forward(q, k_cache, v_cache, meta, scale, *rest)
+
+    backend.forward = recording
+    llm.generate([list(range(3, 150))], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    layers = llm.runner.worker.model.config.num_layers
+    assert len(seen) >= 2 * layers  # several chunks of 64 tokens, each a sparse step
+    for step in range(len(seen) // layers):
+        metas = seen[step * layers : (step + 1) * layers]
+        assert all(m.plans is metas[0].plans and m.cu_query_lens is metas[0].cu_query_lens for m in metas)
+    assert seen[0].plans is not seen[layers].plans

@@ -7,6 +7,8 @@ the reference that faster kernels are tested against.
 """
 from __future__ import annotations
 
+import itertools
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -66,21 +68,25 @@ class AttentionBackend(ABC):
         )
 
     def build_head_metadata(self, query_lens: list[int], head_seq_lens: torch.Tensor, head_tables: torch.Tensor,
-                            block_size: int, device: torch.device,
-                            max_seq_lens: list[int] | None = None) -> AttentionMetadata:
+                            block_size: int, device: torch.device, max_seq_lens: list[int] | None = None,
+                            shared: dict | None = None) -> AttentionMetadata:
         """Metadata of a block-sparse selection: per sequence and KV head its own blocks and KV length
         (tables [B, Hk, max_blocks] padded with -1, seq_lens [B, Hk]); no KV is written with it, and its
         block tables exist as tensors only (block_tables is empty). max_seq_lens: per sequence a bound
-        of its heads' lengths known on the host (else read from head_seq_lens: a sync on the device)."""
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
+        of its heads' lengths known on the host (else read from head_seq_lens: a sync on the device).
+        shared: kept by the caller across the layers of a step whose query_lens and max_seq_lens are the
+        same: the query offsets and the backend's plans (kernel work schedules) are then built once."""
+        shared = {} if shared is None else shared
+        if not shared:
+            shared["cu_query_lens"] = _to_device(list(itertools.accumulate(query_lens, initial=0)), torch.int32, device)
+            shared["slot_mapping"] = _to_device([], torch.int64, device)
+            shared["plans"] = {}
         return AttentionMetadata(
             query_lens=query_lens, seq_lens=max_seq_lens or head_seq_lens.amax(-1).tolist(), block_tables=[],
-            slot_mapping=_to_device([], torch.int64, device), cu_query_lens=_to_device(cu, torch.int32, device),
+            slot_mapping=shared["slot_mapping"], cu_query_lens=shared["cu_query_lens"],
             seq_lens_tensor=head_seq_lens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous(),
             block_tables_tensor=head_tables.to(device=device, dtype=torch.int64, non_blocking=True),
-            block_size=block_size,
+            block_size=block_size, plans=shared["plans"],
         )
 
     @abstractmethod

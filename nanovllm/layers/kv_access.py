@@ -66,7 +66,8 @@ class DeviceKV(KVAccess):
             self.group_plans[key] = plan, plan.groups(selection).pool_ids(
                 [torch.tensor(t, dtype=torch.int64) for t in batch.block_tables])
         plan, ids = self.group_plans[key]
-        meta = group_metadata(self.backend, plan.groups(selection), ids, self.meta.block_size, q.device)
+        meta = group_metadata(self.backend, plan.groups(selection), ids, self.meta.block_size, q.device,
+                              shared=plan.shared_metadata)
         return self.backend.forward(q, k_cache, v_cache, meta, scale)
 
 
@@ -192,6 +193,9 @@ class GroupPlan:
         short = [e - -(-e // bs) * bs for e in self.ends]
         self.short_of_kept = torch.tensor(short, dtype=torch.int64)[:, None].to(self.device, non_blocking=True)
         self.first_query_block = [batch.first_query_block(i) for i in range(len(selection))]
+        # the layers' causal metadata have the same query counts and length bounds (the ends): what
+        # build_head_metadata can share across them
+        self.shared_metadata: dict = {}
 
     def _add_group(self, seq: int, count: int, end: int) -> None:
         self.seq.append(seq)
@@ -240,7 +244,7 @@ def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
 
 
 def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: torch.Tensor, block_size: int,
-                   device: torch.device, causal: bool = True) -> AttentionMetadata:
+                   device: torch.device, causal: bool = True, shared: dict | None = None) -> AttentionMetadata:
     """Per-KV-head metadata, one "sequence" per group, over the blocks each head attends that pool_ids
     [G, blocks] names in the pool at hand (-1: not in that pool). causal: dropped blocks are full and
     precede the group's queries, so compacting them away keeps the mask right; else the kept blocks are
@@ -256,4 +260,5 @@ def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: tor
         lengths, bounds = kept * block_size + groups.short_of_kept, groups.ends
     else:
         lengths, bounds = kept * block_size, [v * block_size for v in visible]
-    return backend.build_head_metadata(groups.count, lengths, tables, block_size, device, max_seq_lens=bounds)
+    return backend.build_head_metadata(groups.count, lengths, tables, block_size, device, max_seq_lens=bounds,
+                                       shared=shared)
