@@ -76,10 +76,11 @@ def test_request_dependent_scalars_compile_no_new_kernel_variant():
     import sys
 
     code = """
-from nanovllm.kernels import triton_paged_attention as t, triton_quest as q
+from nanovllm.kernels import triton_paged_attention as t, triton_quest as q, triton_xattention as x
 wanted = {t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
           t._prefill_kernel: {"stride_bt", "stride_bh"},
-          q._quest_scores_kernel: {"num_columns", "stride_tb"}}
+          q._quest_scores_kernel: {"num_columns", "stride_tb"},
+          x._estimate_kernel: {"seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "stride_qt"}}
 for kernel, names in wanted.items():
     loose = {p.name for p in kernel.params if p.do_not_specialize}
     assert names <= loose, (kernel.fn.__name__, names - loose)

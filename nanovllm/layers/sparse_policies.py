@@ -192,6 +192,7 @@ class XAttentionSelector(BlockSelector):
         self.cache, self.host_pool = cache, host_pool
         self.threshold, self.stride, self.block_size, self.min_context = threshold, stride, block_size, min_context
         self.cover = cover
+        self.fused_estimate: bool | None = None  # None: the Triton estimate on CUDA
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return True  # a prefill policy: decode rows attend to every block
@@ -266,9 +267,14 @@ class XAttentionSelector(BlockSelector):
         first_granule, num_granules = start // granule, -(-seq_len // granule)
         tiles_per_granule = granule // self.stride
         step = max(granule, chunk // granule * granule)
+        fused = self._fused_estimate(q, granule)
         parts = []
         for lo in range(first_granule * granule, seq_len, step):
             hi = min(seq_len, lo + step)
+            if fused is not None:
+                mass = fused(q, keys, self.stride, granule, lo, hi)  # [Hq, rows, num_granules]
+                parts.append(mass if self.cover == "head" else mass.view(keys.shape[1], -1, *mass.shape[1:]).sum(1))
+                continue
             queries = slice(max(lo, start) - start, hi - start)
             mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, self.cover == "head")
             # zero tiles before the first query and past the last tiles, to whole granules: one sum per granule
@@ -277,6 +283,20 @@ class XAttentionSelector(BlockSelector):
                                  lead, rows * tiles_per_granule - lead - mass.shape[1]))
             parts.append(whole.view(mass.shape[0], rows, tiles_per_granule, num_granules, tiles_per_granule).sum((2, 4)))
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
+
+    def _fused_estimate(self, q: torch.Tensor, granule: int):
+        """The Triton estimate (kernels/triton_xattention.py) where it applies: on CUDA (or wherever
+        `fused_estimate` is True: the tests' interpreter), the stride and granule powers of two; else None,
+        and `antidiagonal_mass`, its reference, runs."""
+        wanted = q.is_cuda if self.fused_estimate is None else self.fused_estimate
+        tiles_per_granule = granule // self.stride
+        if not wanted or self.stride & (self.stride - 1) or tiles_per_granule & (tiles_per_granule - 1):
+            return None
+        try:
+            from nanovllm.kernels.triton_xattention import estimate_granule_mass
+        except ImportError:
+            return None
+        return estimate_granule_mass
 
     def _fewest_covering(self, blocks: torch.Tensor) -> torch.Tensor:
         """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""

@@ -1,0 +1,121 @@
+"""XAttention's estimate in one Triton kernel: granule masses without the [heads, query tiles, key tiles] scores.
+
+Queries and keys are cut into tiles of `stride` positions. The score of (query tile t, key tile u) is the
+sum over j of q[t*S + S-1-j] . k[u*S + j] (the tile's antidiagonal), times 1/(sqrt(D)*S); each query tile
+and head takes a softmax over its causally visible key tiles (u <= t), and the probabilities are summed
+over the tiles of each (query granule, key granule). `XAttentionSelector.granule_mass`'s PyTorch path
+(`antidiagonal_mass`) is the reference.
+
+One program per (block of BLOCK_M query tiles, whole query granules; query head), reading q [n_q, Hq, D]
+and keys [seq_len, Hk, D] in place (a zero for rows before the first query or past the last key). One
+pass over the visible key tiles in blocks of BLOCK_N (whole key granules): an online softmax (running
+max m and sum l per query tile) and, per block, each query tile's exp-sums per key granule relative to
+the running max of that moment, written to a scratch [Hq, tiles, key granules] (granule/stride times
+smaller than the scores) with that max. An epilogue in the same program rescales them by
+exp(m_block - m) / l and sums the query tiles of each query granule: the matrix products are done once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.triton_interpreter import patch_if_interpreting
+
+patch_if_interpreting()
+
+BLOCK_TILES = 64  # query tiles and key tiles per block (rounded up to whole granules)
+NUM_WARPS = 4
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "stride_qt",
+                               "stride_kt"])  # lengths vary by sequence and chunk
+def _estimate_kernel(
+    q_ptr, k_ptr, out_ptr, part_ptr, max_ptr, seq_len, start, first_row_tile, row_tiles, num_granules, scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr,
+    GROUP: tl.constexpr, STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # query tiles, counted from the chunk's first
+    t = first_row_tile + rows
+    num_key_tiles = (seq_len + STRIDE - 1) // STRIDE
+    row_ok = (rows < row_tiles) & (t >= start // STRIDE) & (t < num_key_tiles)
+    d = tl.arange(0, BLOCK_D)
+    q_head = q_ptr + head * stride_qh + d[None, :]
+    k_head = k_ptr + (head // GROUP) * stride_kh + d[:, None]
+    last_tile = tl.minimum(first_row_tile + block * BLOCK_M + BLOCK_M - 1, num_key_tiles - 1)
+    key_blocks = last_tile // BLOCK_N + 1
+    KEY_GRANULES: tl.constexpr = BLOCK_N // TILES_PER_GRANULE
+    granules = tl.arange(0, KEY_GRANULES)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    for kb in range(0, key_blocks):
+        u = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for j in range(STRIDE):
+            query = t * STRIDE + (STRIDE - 1 - j) - start  # the query row paired with key row j
+            q = tl.load(q_head + query[:, None] * stride_qt,
+                        mask=((query >= 0) & (query < seq_len - start))[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+            key = u * STRIDE + j
+            k = tl.load(k_head + key[None, :] * stride_kt, mask=(key < seq_len)[None, :] & (d < HEAD_DIM)[:, None],
+                        other=0.0)
+            acc = tl.dot(q, k, acc, input_precision=PRECISION)
+        visible = (u[None, :] <= t[:, None]) & (u < num_key_tiles)[None, :]  # key tile 0 always is: m stays finite
+        s = tl.where(visible, acc * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        l = l * tl.exp2(m - m_new) + tl.sum(p, axis=1)
+        m = m_new
+        part = tl.sum(tl.reshape(p, [BLOCK_M, KEY_GRANULES, TILES_PER_GRANULE]), axis=2)
+        tl.store(part_ptr + head * stride_ph + rows[:, None] * stride_pr + (kb * KEY_GRANULES + granules)[None, :], part)
+        tl.store(max_ptr + head * stride_mh + rows * stride_mr + kb, m)
+    tl.debug_barrier()  # the epilogue's threads read what other threads of the program wrote
+    weight = tl.where(row_ok, 1.0 / l, 0.0)
+    QUERY_GRANULES: tl.constexpr = BLOCK_M // TILES_PER_GRANULE
+    query_granules = block * QUERY_GRANULES + tl.arange(0, QUERY_GRANULES)
+    for kb in range(0, key_blocks):
+        g = kb * KEY_GRANULES + granules
+        part = tl.load(part_ptr + head * stride_ph + rows[:, None] * stride_pr + g[None, :])
+        m_then = tl.load(max_ptr + head * stride_mh + rows * stride_mr + kb)
+        scaled = part * (tl.exp2(m_then - m) * weight)[:, None]
+        mass = tl.sum(tl.reshape(scaled, [QUERY_GRANULES, TILES_PER_GRANULE, KEY_GRANULES]), axis=1)
+        tl.store(out_ptr + head * stride_oh + query_granules[:, None] * stride_or + g[None, :], mass,
+                 mask=(query_granules < row_tiles // TILES_PER_GRANULE)[:, None] & (g < num_granules)[None, :])
+
+
+def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, granule: int, lo: int, hi: int,
+                          block_tiles: int = BLOCK_TILES, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """[Hq, query granules of [lo, hi), key granules of seq_len] float32 estimated masses. q [n_q, Hq, D] are
+    the last n_q of the seq_len positions of keys [seq_len, Hk, D]; lo is a multiple of the granule, hi one
+    or seq_len; the stride divides the granule, both powers of two."""
+    n_q, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = keys.shape[:2]
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if keys.stride(2) != 1:
+        keys = keys.contiguous()
+    tiles_per_granule = granule // stride
+    block_m = block_n = max(block_tiles, tiles_per_granule, 16)  # tl.dot's smallest shape is 16
+    rows = -(-(hi - lo) // granule)
+    num_granules = -(-seq_len // granule)
+    num_key_tiles = -(-seq_len // stride)
+    grid = (triton.cdiv(rows * tiles_per_granule, block_m), num_heads)
+    scratch_rows, key_blocks = grid[0] * block_m, triton.cdiv(num_key_tiles, block_n)
+    out = torch.zeros(num_heads, rows, num_granules, dtype=torch.float32, device=q.device)
+    part = torch.empty(num_heads, scratch_rows, key_blocks * (block_n // tiles_per_granule), dtype=torch.float32,
+                       device=q.device)
+    running_max = torch.empty(num_heads, scratch_rows, key_blocks, dtype=torch.float32, device=q.device)
+    _estimate_kernel[grid](
+        q, keys, out, part, running_max, seq_len, seq_len - n_q, lo // stride, rows * tiles_per_granule, num_granules,
+        LOG2_E / (math.sqrt(head_dim) * stride), q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+        out.stride(0), out.stride(1), part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1),
+        GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+    )
+    return out

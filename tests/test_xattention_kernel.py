@@ -1,0 +1,68 @@
+"""XAttention's fused estimate (kernels/triton_xattention.py) against `antidiagonal_mass`, the PyTorch
+reference behind XAttentionSelector.granule_mass, at small sizes under Triton's CPU interpreter (no CUDA):
+the granule masses to float32 tolerance and the selections made from them equal."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest
+
+from nanovllm.layers.sparse_policies import XAttentionSelector
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# seq_len, n_q (a first query mid-tile where seq_len - n_q is no multiple of the stride), stride, granule,
+# KV heads, group, head_dim
+SHAPES = [(200, 200, 4, 16, 2, 2, 16), (301, 123, 8, 32, 1, 4, 32), (450, 77, 4, 16, 2, 1, 24),
+          (700, 333, 8, 16, 1, 4, 16)]
+
+
+def inputs(seq_len, n_q, kv_heads, group, dim, dtype):
+    g = torch.Generator().manual_seed(seq_len + n_q)
+    keys = torch.randn(seq_len, kv_heads, dim, generator=g) * 2
+    q = torch.randn(n_q, kv_heads * group, dim, generator=g) * 2
+    return q.to(dtype), keys.to(dtype)
+
+
+def selector(stride, granule, cover, fused):
+    s = XAttentionSelector(None, None, threshold=0.8, stride=stride, block_size=granule, min_context=0, cover=cover)
+    s.fused_estimate = fused
+    return s
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seq_len, n_q, stride, granule, kv_heads, group, dim", SHAPES)
+def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_heads, group, dim, dtype, atol):
+    """The kernel on (bf16) inputs against the reference on the same values in float32; blocks of 16 tiles
+    (several query and key blocks per head at these sizes)."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_xattention import estimate_granule_mass
+
+    q, keys = inputs(seq_len, n_q, kv_heads, group, dim, dtype)
+    want, first = selector(stride, granule, "head", False).granule_mass(q.float(), keys.float(), granule)
+    got = estimate_granule_mass(q.to(DEVICE), keys.to(DEVICE), stride, granule, first * granule, seq_len,
+                                block_tiles=16).cpu()
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cover", ["head", "group"])
+@pytest.mark.parametrize("seq_len, n_q, stride, granule, kv_heads, group, dim", SHAPES[1:3])
+def test_selection_through_the_kernel_equals_the_torch_path(seq_len, n_q, stride, granule, kv_heads, group, dim,
+                                                            cover):
+    """granule_mass in query chunks of 64 tokens through the kernel (the default blocks) and through
+    antidiagonal_mass: the same masses, and sequence_selection keeps the same blocks (KV block 2 granules)."""
+    pytest.importorskip("triton")
+    q, keys = inputs(seq_len, n_q, kv_heads, group, dim, torch.float32)
+    fused, reference = selector(stride, granule, cover, True), selector(stride, granule, cover, False)
+    got, first = fused.granule_mass(q.to(DEVICE), keys.to(DEVICE), granule, chunk=64)
+    want, first_reference = reference.granule_mass(q, keys, granule, chunk=64)
+    assert first == first_reference
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+    kept = fused.sequence_selection(q.to(DEVICE), keys.to(DEVICE), 2 * granule).cpu()
+    assert torch.equal(kept, reference.sequence_selection(q, keys, 2 * granule))
+    assert not kept.all()
