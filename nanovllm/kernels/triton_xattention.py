@@ -54,14 +54,14 @@ def _estimate_kernel(
     granules = tl.arange(0, KEY_GRANULES)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    for kb in range(0, key_blocks):
+    for kb in range(key_blocks):
         u = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for j in range(STRIDE):
-            query = t * STRIDE + (STRIDE - 1 - j) - start  # the query row paired with key row j
+            query = (t * STRIDE + (STRIDE - 1 - j) - start).to(tl.int64)  # the query row paired with key row j
             q = tl.load(q_head + query[:, None] * stride_qt,
                         mask=((query >= 0) & (query < seq_len - start))[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-            key = u * STRIDE + j
+            key = (u * STRIDE + j).to(tl.int64)  # int64: key * stride_kt passes 2**31 at long contexts
             k = tl.load(k_head + key[None, :] * stride_kt, mask=(key < seq_len)[None, :] & (d < HEAD_DIM)[:, None],
                         other=0.0)
             acc = tl.dot(q, k, acc, input_precision=PRECISION)
@@ -78,7 +78,7 @@ def _estimate_kernel(
     weight = tl.where(row_ok, 1.0 / l, 0.0)
     QUERY_GRANULES: tl.constexpr = BLOCK_M // TILES_PER_GRANULE
     query_granules = block * QUERY_GRANULES + tl.arange(0, QUERY_GRANULES)
-    for kb in range(0, key_blocks):
+    for kb in range(key_blocks):
         g = kb * KEY_GRANULES + granules
         part = tl.load(part_ptr + head * stride_ph + rows[:, None] * stride_pr + g[None, :])
         m_then = tl.load(max_ptr + head * stride_mh + rows * stride_mr + kb)

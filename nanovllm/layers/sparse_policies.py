@@ -261,7 +261,8 @@ class XAttentionSelector(BlockSelector):
         """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
         holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
         the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
-        never straddle chunks, nor granules (the stride divides the granule)."""
+        never straddle chunks, nor granules (the stride divides the granule). On CUDA one Triton kernel per chunk
+        (kernels/triton_xattention.py) makes the masses without the scores; antidiagonal_mass is its reference."""
         seq_len = keys.shape[0]
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
