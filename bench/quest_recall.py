@@ -108,12 +108,10 @@ def choose(scores: torch.Tensor, budget: int) -> torch.Tensor:
 def selections(mass: torch.Tensor, bound: torch.Tensor, num_kv: int, budget: int) -> dict[str, torch.Tensor]:
     """Per rule, keep [Hk, blocks]."""
     group = mass.shape[0] // num_kv
-    per_group = lambda x: x.view(num_kv, group, -1)  # noqa: E731
-    share = max(1, budget // group)
-    union = choose(bound, share).view(num_kv, group, -1).any(1)
-    return {"group max": choose(per_group(bound).amax(1), budget),
+    union = choose(bound, max(1, budget // group)).view(num_kv, group, -1).any(1)
+    return {"group max": choose(bound.view(num_kv, group, -1).amax(1), budget),
             "head union": union,
-            "oracle": choose(per_group(mass).sum(1), budget)}
+            "oracle": choose(mass.view(num_kv, group, -1).sum(1), budget)}
 
 
 def kept_mass(mass: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
