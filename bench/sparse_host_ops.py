@@ -61,11 +61,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+VALUE_READS = frozenset({"tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__"})
+
+
 class HostReads(TorchFunctionMode):
     """Counts reads of meta tensors' values to the host, each a sync were the meta device a GPU, and
     answers them with ones of the tensor's shape (a meta tensor has no values)."""
-
-    VALUE_READS = {"tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 
     def __init__(self):
         super().__init__()
@@ -75,13 +76,13 @@ class HostReads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if source is not None and source.is_meta and (name in self.VALUE_READS or name == "cpu" or
+        if source is not None and source.is_meta and (name in VALUE_READS or name == "cpu" or
                                                       name == "to" and _to_host(args[1:], kwargs)):
             self.reads[name] += 1
             with _disable_current_modes():  # not an op of the call: OpCounter leaves it out
                 ones = torch.ones(source.shape, dtype=source.dtype)
                 return ones if name in ("cpu", "to") else getattr(ones, name)()
-        if name == "copy_" and source is not None and not source.is_meta and args[1].is_meta:
+        if name == "copy_" and source is not None and not source.is_meta and getattr(args[1], "is_meta", False):
             self.reads[name] += 1
             with _disable_current_modes():
                 return source.fill_(1)

@@ -36,8 +36,11 @@ class SelectionInput:
     # host blocks' keys on the device, read by the selector for this layer's estimate (the strategy then
     # copies only their values); None: the strategy does not reuse them
     host_keys: HostKeys | None = None
-    # with on_host None: the block tables on the device, [num_seqs, max blocks] (padded with -1), or None
+    # the block tables on the device, [num_seqs, max blocks] (padded with -1; 0 for host blocks), or None
     device_tables: torch.Tensor | None = None
+    # with device_tables: per sequence, the positions of its host blocks in its table, [num_seqs, max host
+    # blocks] on the device (padded with -1)
+    host_columns: torch.Tensor | None = None
 
     def num_blocks(self, i: int) -> int:
         return -(-self.seq_lens[i] // self.block_size)

@@ -167,9 +167,11 @@ class QueryGroups:
 
 
 class GroupPlan:
-    """What query_groups builds once per step for selections of one shape (per sequence None, a [Hk, blocks]
-    or a [Hk, query blocks, blocks] mask): the groups, their ends, and the None rows' masks. Per layer only
-    the masks are put together (`groups`)."""
+    """A step's query groups for selections of one shape (per sequence None, a [Hk, blocks] or a [Hk, query
+    blocks, blocks] mask), built once per step: one group per sequence for a [Hk, blocks] mask or None (every
+    block), one per query block for [Hk, query blocks, blocks]; their ends, and the None rows' masks (decode
+    rows beside a sparse prefill, say: switched on together, no tensor operation each). Per layer only the
+    masks are put together (`groups`)."""
 
     def __init__(self, batch: SelectionInput, selection: Selection):
         masked = [m for m in selection if m is not None]
@@ -234,13 +236,6 @@ class GroupPlan:
 def group_plan_key(selection: Selection) -> tuple[int | None, ...]:
     """Selections with equal keys share a GroupPlan within a step."""
     return tuple(None if m is None else m.dim() for m in selection)
-
-
-def query_groups(batch: SelectionInput, selection: Selection) -> QueryGroups:
-    """One group per sequence for a [Hk, blocks] mask or None (every block), one per query block for
-    [Hk, query blocks, blocks]. The None rows (decode rows beside a sparse prefill, say) cost no tensor
-    operation each: they are switched on together."""
-    return GroupPlan(batch, selection).groups(selection)
 
 
 def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: torch.Tensor, block_size: int,

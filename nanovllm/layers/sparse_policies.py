@@ -221,7 +221,7 @@ class XAttentionSelector(BlockSelector):
         if host:
             host_ids = [table[c] for c in host]
             keys = self.host_pool.read_keys(layer, host_ids, k_cache.device)
-            blocks.index_copy_(0, torch.tensor(host, dtype=torch.int64).to(k_cache.device, non_blocking=True), keys)
+            blocks.index_copy_(0, self._host_columns(batch, i, host, k_cache.device), keys)
             if batch.host_keys is not None:
                 batch.host_keys.add(host_ids, keys)
             if batch.stats is not None:
@@ -233,10 +233,18 @@ class XAttentionSelector(BlockSelector):
         """Sequence i's blocks in the device pool (0 for its host blocks), on the device: a view of the step's
         device tables where the strategy has them (no copy per layer)."""
         n = len(on_host)
-        if batch.device_tables is not None and batch.on_host is None:
+        if batch.device_tables is not None:
             return batch.device_tables[i, :n]
         ids = [0 if host else b for b, host in zip(batch.block_tables[i][:n], on_host)]
         return torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+
+    @staticmethod
+    def _host_columns(batch: SelectionInput, i: int, columns: list[int], device: torch.device) -> torch.Tensor:
+        """The columns of sequence i's host blocks (its first num_blocks ones), on the device: the strategy's
+        tensor where it has one."""
+        if batch.host_columns is not None:
+            return batch.host_columns[i, : len(columns)]
+        return torch.tensor(columns, dtype=torch.int64).to(device, non_blocking=True)
 
     def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor, kv_block: int) -> torch.Tensor:
         """q [n_q, Hq, D] (the last n_q of seq_len positions), keys [seq_len, Hk, D] -> bool

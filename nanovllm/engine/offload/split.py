@@ -29,9 +29,10 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool, consecutive_runs
 from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
-from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, HostKeys, SelectionInput, SparseStats
-from nanovllm.layers.kv_access import (DeviceSelection, KVAccess, QueryGroups, decode_metadata, group_metadata,
-                                      query_groups, select_for_step)
+from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, HostKeys, Selection, SelectionInput,
+                                            SparseStats)
+from nanovllm.layers.kv_access import (DeviceSelection, GroupPlan, KVAccess, QueryGroups, decode_metadata,
+                                      group_metadata, group_plan_key, select_for_step)
 
 
 @dataclass
@@ -41,6 +42,42 @@ class HistoryPiece:
 
     runs: list[tuple[int, int, int]]
     meta: AttentionMetadata
+
+
+@dataclass
+class SplitGroups:
+    """A step's query groups for selections of one shape (`GroupPlan`) with what every layer reuses, on the
+    device: per group, its sequence and its blocks' ids in the device pool (-1: on the host), in a second
+    pool read in place (host blocks as RING_BASE + id), and which of them are host blocks."""
+
+    plan: GroupPlan
+    seq: torch.Tensor  # [G] int64
+    device_ids: torch.Tensor  # [G, width]
+    in_place_ids: torch.Tensor  # [G, width]
+    on_host: torch.Tensor  # [G, width] bool
+    # per-head metadata parts shared by the layers: over the device blocks (causal), over ring pieces (history)
+    history_metadata: dict
+
+    @classmethod
+    def build(cls, batch: SelectionInput, selection: Selection, table_ids: list[torch.Tensor],
+              host_flags: list[torch.Tensor]) -> SplitGroups:
+        plan = GroupPlan(batch, selection)
+        in_place_ids = plan.groups(selection).pool_ids(
+            [torch.where(h, RING_BASE + t, t) for t, h in zip(table_ids, host_flags)])
+        on_host = in_place_ids >= RING_BASE
+        seq = torch.tensor(plan.seq, dtype=torch.int64).to(plan.device, non_blocking=True)
+        return cls(plan, seq, torch.where(on_host, -1, in_place_ids), in_place_ids, on_host, {})
+
+    def ring_ids(self, host_columns: list[list[tuple[int, int]]], ring_position: dict[int, int]) -> torch.Tensor:
+        """[G, width] on the device: each group's blocks' positions in the ring (-1: not there), from host
+        columns (per sequence, (column, host id) of its host blocks). Made per sequence, spread to the groups
+        on the device (a host tensor of every group's row costs more)."""
+        rows = [[-1] * self.plan.width for _ in host_columns]
+        for row, columns in zip(rows, host_columns):
+            for column, block in columns:
+                row[column] = ring_position.get(block, -1)
+        by_sequence = torch.tensor(rows, dtype=torch.int64).to(self.plan.device, non_blocking=True)
+        return by_sequence.index_select(0, self.seq)
 
 
 def pack(host_tables: list[list[int]], ring_blocks: int) -> list[tuple[list[tuple[int, int, int]], list[list[int]]]]:
@@ -183,14 +220,17 @@ class SplitKV(_OffloadKV):
         super().__init__(pool, cache, backend, offloads)
         bs = pool.block_size
         self.block_tables, self.on_host, self.selector, self.stats = block_tables, on_host, selector, stats
-        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats, host_keys=HostKeys())
+        # per sequence, (column, host id) of each of its host blocks
+        self.host_columns = [[(c, b) for c, (b, h) in enumerate(zip(t, f)) if h] for t, f in zip(block_tables, on_host)]
+        self.step_dense = selector.dense or selector.dense_for_step(bs, query_lens, seq_lens)
+        self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats, host_keys=HostKeys(),
+                                    **({} if self.step_dense else self._selector_tables(pool.device)))
         device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
         compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
         self.meta = backend.build_metadata(query_lens, compact_lens, device_tables, slots, bs, pool.device)
         self.host_tables = [[b for b, h in zip(t, f) if h] for t, f in zip(block_tables, on_host)]
         # A selector dense for this step reads the same pieces in every layer: planned once, prefetched on the
         # copy stream (a sparse policy's mirrored layers read the mirror instead).
-        self.step_dense = selector.dense or selector.dense_for_step(bs, query_lens, seq_lens)
         self.first_copied = 0 if selector.dense else pool.mirrored_layers
         self.pieces = self._pieces(self.host_tables) if self.step_dense else []
         self.all_pieces: list[HistoryPiece] | None = None  # the same, not prefetched, for layers a sparse step reads whole
@@ -199,6 +239,18 @@ class SplitKV(_OffloadKV):
         # per sequence, its blocks as ids within their pool and where they live (the same in every layer)
         self.table_ids = [torch.tensor(t, dtype=torch.int64) for t in block_tables]
         self.host_flags = [torch.tensor(f, dtype=torch.bool) for f in on_host]
+        self.split_groups: dict[tuple[int | None, ...], SplitGroups] = {}  # the same for every layer of the step
+
+    def _selector_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """SelectionInput's device_tables (host blocks as 0) and host_columns, on the device once per step:
+        what a selector reads the step's keys through in every layer."""
+        width = max(map(len, self.block_tables))
+        device_ids = [[0 if h else b for b, h in zip(t, f)] + [-1] * (width - len(t))
+                      for t, f in zip(self.block_tables, self.on_host)]
+        widest = max(map(len, self.host_columns))
+        host_columns = [[c for c, _ in columns] + [-1] * (widest - len(columns)) for columns in self.host_columns]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+        return {"device_tables": as_tensor(device_ids), "host_columns": as_tensor(host_columns)}
 
     def _pieces(self, host_tables: list[list[int]]) -> list[HistoryPiece]:
         bs, q_lens = self.pool.block_size, self.batch.query_lens
@@ -295,17 +347,21 @@ class SplitKV(_OffloadKV):
             self._free_slot(0)
         return out.to(q.dtype)
 
+    def _split_groups(self, selection: Selection) -> SplitGroups:
+        key = group_plan_key(selection)
+        if key not in self.split_groups:
+            self.split_groups[key] = SplitGroups.build(self.batch, selection, self.table_ids, self.host_flags)
+        return self.split_groups[key]
+
     def _attend_selected(self, layer: int, q, k_cache, v_cache, selection, scale) -> torch.Tensor:
         """Per KV head over its selected blocks. Decode rows read their selected host blocks in place;
         otherwise this layer copies the union of the heads' host blocks through the ring: only their V
         where the selector already brought their K to the device for its estimate."""
-        groups = query_groups(self.batch, selection)
+        step = self._split_groups(selection)
+        groups = step.plan.groups(selection)
         if max(self.batch.query_lens) == 1:
-            return self._attend_in_place(layer, q, k_cache, v_cache, groups, scale)
-        bs, tables, host = self.pool.block_size, self.table_ids, self.host_flags
-        attended = torch.zeros(len(tables), groups.mask.shape[-1], dtype=torch.int32).index_add_(
-            0, torch.tensor(groups.seq), groups.mask.any(1).int().cpu()) > 0
-        wanted = [t[attended[i, : t.numel()] & h].tolist() for i, (t, h) in enumerate(zip(tables, host))]
+            return self._attend_in_place(layer, q, k_cache, v_cache, groups, step, scale)
+        bs, wanted = self.pool.block_size, self._wanted_host_blocks(groups, step)
         keys = self.batch.host_keys
         values_only = all(b in keys for blocks in wanted for b in blocks)
         if self.stats is not None:
@@ -313,34 +369,40 @@ class SplitKV(_OffloadKV):
                 self.stats.host_bytes[i] += len(blocks) * self.pool.block_bytes_per_layer // (2 if values_only else 1)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        on_device = groups.pool_ids([torch.where(h, -1, t) for t, h in zip(tables, host)])
-        self.backend.forward_with_lse(q, k_cache, v_cache, group_metadata(self.backend, groups, on_device, bs, q.device),
-                                      scale, out=(out, lse))
+        meta = group_metadata(self.backend, groups, step.device_ids, bs, q.device, shared=step.plan.shared_metadata)
+        self.backend.forward_with_lse(q, k_cache, v_cache, meta, scale, out=(out, lse))
         for runs, _ in pack(wanted, self.pool.ring_blocks):
             self._fill(layer, 0, runs, -1, values_only=values_only)
             self._wait_copied(-1)
-            host_ids = [h + j for h, _, n in runs for j in range(n)]
-            positions = torch.tensor([p + j for _, p, n in runs for j in range(n)], dtype=torch.int64)
+            ring_position = {h + j: p + j for h, p, n in runs for j in range(n)}
             if values_only:
-                self.pool.ring[0, 0].index_copy_(0, positions.to(q.device, non_blocking=True), keys.gather(host_ids))
-            ring_position = torch.full((self.pool.num_host_blocks,), -1, dtype=torch.int64)
-            ring_position[host_ids] = positions
-            in_ring = groups.pool_ids([torch.where(h, ring_position[t], -1) for t, h in zip(tables, host)])
-            meta = group_metadata(self.backend, groups, in_ring, bs, q.device, causal=False)
+                positions = torch.tensor(list(ring_position.values()), dtype=torch.int64)
+                self.pool.ring[0, 0].index_copy_(0, positions.to(q.device, non_blocking=True),
+                                                 keys.gather(list(ring_position)))
+            meta = group_metadata(self.backend, groups, step.ring_ids(self.host_columns, ring_position), bs, q.device,
+                                  causal=False, shared=step.history_metadata)
             self.backend.history_attention(q, self.pool.ring[0, 0], self.pool.ring[1, 0], meta, scale, (out, lse))
             self._free_slot(0)
         return out.to(q.dtype)
 
-    def _attend_in_place(self, layer: int, q, k_cache, v_cache, groups: QueryGroups, scale) -> torch.Tensor:
+    def _wanted_host_blocks(self, groups: QueryGroups, step: SplitGroups) -> list[list[int]]:
+        """Per sequence, the host blocks some head of some group attends: one read of a [sequences, width]
+        mask (the copies are planned on the host)."""
+        attended = (groups.mask.any(1) & step.on_host).to(torch.int32)
+        by_sequence = torch.zeros((len(self.host_columns), attended.shape[1]), dtype=torch.int32,
+                                  device=attended.device).index_add_(0, step.seq, attended)
+        rows = by_sequence.cpu().tolist()
+        return [[b for c, b in columns if rows[i][c]] for i, columns in enumerate(self.host_columns)]
+
+    def _attend_in_place(self, layer: int, q, k_cache, v_cache, groups: QueryGroups, step: SplitGroups,
+                         scale) -> torch.Tensor:
         """Decode rows: one kernel over each head's selected blocks, host ones read from pinned memory."""
-        per_sequence = [torch.where(h, RING_BASE + t, t) for t, h in zip(self.table_ids, self.host_flags)]
-        ids = groups.pool_ids(per_sequence)
         head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
-        host_blocks = (groups.mask & (ids >= RING_BASE)[:, None, :]).sum((1, 2)).tolist()  # per group
+        host_blocks = (groups.mask & step.on_host[:, None, :]).sum((1, 2)).tolist()  # per group
         self.pool.stats.h2d_bytes += sum(host_blocks) * head_bytes
         if self.stats is not None:
             for seq, n in zip(groups.seq, host_blocks):
                 self.stats.host_bytes[seq] += n * head_bytes
-        meta = group_metadata(self.backend, groups, ids, self.pool.block_size, q.device)
-        host_kv = self._host_kv(layer)
-        return self.backend.forward(q, k_cache, v_cache, meta, scale, host_kv=host_kv)
+        meta = group_metadata(self.backend, groups, step.in_place_ids, self.pool.block_size, q.device,
+                              shared=step.plan.shared_metadata)
+        return self.backend.forward(q, k_cache, v_cache, meta, scale, host_kv=self._host_kv(layer))
