@@ -192,7 +192,9 @@ class XAttentionSelector(BlockSelector):
         self.cache, self.host_pool = cache, host_pool
         self.threshold, self.stride, self.block_size, self.min_context = threshold, stride, block_size, min_context
         self.cover = cover
-        self.fused_estimate: bool | None = None  # None: the Triton estimate on CUDA
+        # the Triton estimate (kernels/triton_xattention.py) instead of the PyTorch path: off, as on the H200 it
+        # took 1.5-1.9x the PyTorch path's time (68.7 vs 35.6 ms at 128K, docs/BENCHMARKS.md)
+        self.fused_estimate = False
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return True  # a prefill policy: decode rows attend to every block
@@ -269,8 +271,9 @@ class XAttentionSelector(BlockSelector):
         """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
         holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
         the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
-        never straddle chunks, nor granules (the stride divides the granule). On CUDA one Triton kernel per chunk
-        (kernels/triton_xattention.py) makes the masses without the scores; antidiagonal_mass is its reference."""
+        never straddle chunks, nor granules (the stride divides the granule). With `fused_estimate` one Triton
+        kernel per chunk (kernels/triton_xattention.py) makes the masses without the scores; antidiagonal_mass
+        is its reference."""
         seq_len = keys.shape[0]
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
@@ -294,12 +297,10 @@ class XAttentionSelector(BlockSelector):
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
     def _fused_estimate(self, q: torch.Tensor, granule: int):
-        """The Triton estimate (kernels/triton_xattention.py) where it applies: on CUDA (or wherever
-        `fused_estimate` is True: the tests' interpreter), the stride and granule powers of two; else None,
-        and `antidiagonal_mass`, its reference, runs."""
-        wanted = q.is_cuda if self.fused_estimate is None else self.fused_estimate
+        """The Triton estimate (kernels/triton_xattention.py) where it is asked for and applies (the stride
+        and granule powers of two); else None, and `antidiagonal_mass`, its reference, runs."""
         tiles_per_granule = granule // self.stride
-        if not wanted or self.stride & (self.stride - 1) or tiles_per_granule & (tiles_per_granule - 1):
+        if not self.fused_estimate or self.stride & (self.stride - 1) or tiles_per_granule & (tiles_per_granule - 1):
             return None
         try:
             from nanovllm.kernels.triton_xattention import estimate_granule_mass
