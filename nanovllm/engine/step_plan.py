@@ -63,6 +63,9 @@ class StepPlan:
     graph_batch: int | None = None  # the decode graph bucket that runs the step; None: eager
     staged_copies: list[tuple[int, int, int]] | None = None  # (host block, ring position, n) per layer: see offload/staged.py
     narrowed: bool = False  # every row narrowed by the block selector the same way: engine/narrowed.py
+    # per sequence, its KV length once the tokens it is prefilling are all computed (the prompt's end, past
+    # a chunk); None: each ends with this step (a decode step)
+    prefill_ends: list[int] | None = None
 
     @property
     def has_host_blocks(self) -> bool:
@@ -145,7 +148,7 @@ class StepPlanner:
             if item.samples:
                 rows.append(len(ids) - 1)
         plan = StepPlan(ids, positions, slots, query_lens, seq_lens, [], None, list(offloads), rows, [], [],
-                        prompt_logprobs=prompt_rows)
+                        prompt_logprobs=prompt_rows, prefill_ends=[len(item.seq) for item in scheduled])
         self._locate_blocks(plan, tables)
         return plan
 

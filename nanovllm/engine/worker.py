@@ -261,7 +261,7 @@ class Worker:
         if self.host_pool is None or not (plan.has_host_blocks or plan.offloads or plan.staged_copies):
             if plan.staged_copies is not None:  # [] : nothing to stage, but the moves are due
                 self.staged.set_step([], plan.offloads)
-            return DeviceKV(self.kv_cache, self.backend, meta(plan.block_tables), selector, stats)
+            return DeviceKV(self.kv_cache, self.backend, meta(plan.block_tables), selector, stats, plan.prefill_ends)
         if plan.staged_copies is not None:
             self.staged.set_step(plan.staged_copies, plan.offloads)
             return StagedKV(self.kv_cache, self.backend, meta(ring_tables(plan.block_tables, plan.on_host)), self.staged)

@@ -41,9 +41,15 @@ class SelectionInput:
     # with device_tables: per sequence, the positions of its host blocks in its table, [num_seqs, max host
     # blocks] on the device (padded with -1)
     host_columns: torch.Tensor | None = None
+    # per sequence, its KV length once the tokens it is prefilling are all computed (the prompt's end, past
+    # this chunk when the prompt is prefilled in chunks); None: each ends with this step (seq_lens)
+    prefill_ends: list[int] | None = None
 
     def num_blocks(self, i: int) -> int:
         return -(-self.seq_lens[i] // self.block_size)
+
+    def prefill_end(self, i: int) -> int:
+        return self.seq_lens[i] if self.prefill_ends is None else self.prefill_ends[i]
 
     def first_query_block(self, i: int) -> int:
         """The first block holding one of sequence i's new tokens (blocks before it precede every query)."""

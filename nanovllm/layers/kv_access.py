@@ -37,9 +37,10 @@ class DeviceKV(KVAccess):
     """Every block in the device pool: the backend's paged attention over the step's block tables."""
 
     def __init__(self, cache: PagedKVCache, backend: AttentionBackend, meta: AttentionMetadata,
-                 selector: BlockSelector | None = None, stats: SparseStats | None = None):
+                 selector: BlockSelector | None = None, stats: SparseStats | None = None,
+                 prefill_ends: list[int] | None = None):
         self.cache, self.backend, self.meta = cache, backend, meta
-        self.selector, self.stats = selector or DenseSelector(), stats
+        self.selector, self.stats, self.prefill_ends = selector or DenseSelector(), stats, prefill_ends
         self.layout: DecodeLayout | None = None
         self.group_plans: dict[tuple[int | None, ...], tuple[GroupPlan, torch.Tensor]] = {}  # with their pool ids
 
@@ -54,7 +55,8 @@ class DeviceKV(KVAccess):
         if self.selector.dense:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         batch = SelectionInput(self.meta.query_lens, self.meta.seq_lens, self.meta.block_size, self.meta.block_tables,
-                               stats=self.stats, device_tables=self.meta.block_tables_tensor)
+                               stats=self.stats, device_tables=self.meta.block_tables_tensor,
+                               prefill_ends=self.prefill_ends)
         selection = select_for_step(self.selector, layer, q, k_cache.shape[2], batch, self._layout)
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)

@@ -31,4 +31,4 @@ def offload_kv_access(pool: HostKVPool, cache: PagedKVCache, backend: AttentionB
     if selector.dense and sum(map(len, tables)) <= pool.ring_blocks:
         return SinglePassKV(pool, cache, backend, plan.offloads, tables, flags, plan.query_lens, plan.seq_lens, slots)
     return SplitKV(pool, cache, backend, plan.offloads, tables, flags, plan.query_lens, plan.seq_lens, plan.slots,
-                   selector, stats)
+                   selector, stats, plan.prefill_ends)

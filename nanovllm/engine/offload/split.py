@@ -216,7 +216,7 @@ class SplitKV(_OffloadKV):
 
     def __init__(self, pool, cache, backend, offloads, block_tables: list[list[int]], on_host: list[list[bool]],
                  query_lens: list[int], seq_lens: list[int], slots: list[int], selector: BlockSelector,
-                 stats: SparseStats | None = None):
+                 stats: SparseStats | None = None, prefill_ends: list[int] | None = None):
         super().__init__(pool, cache, backend, offloads)
         bs = pool.block_size
         self.block_tables, self.on_host, self.selector, self.stats = block_tables, on_host, selector, stats
@@ -224,6 +224,7 @@ class SplitKV(_OffloadKV):
         self.host_columns = [[(c, b) for c, (b, h) in enumerate(zip(t, f)) if h] for t, f in zip(block_tables, on_host)]
         self.step_dense = selector.dense or selector.dense_for_step(bs, query_lens, seq_lens)
         self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats, host_keys=HostKeys(),
+                                    prefill_ends=prefill_ends,
                                     **({} if self.step_dense else self._selector_tables(pool.device)))
         device_tables = [[b for b, h in zip(t, f) if not h] for t, f in zip(block_tables, on_host)]
         compact_lens = [n - sum(f) * bs for n, f in zip(seq_lens, on_host)]
