@@ -43,6 +43,8 @@ class EngineConfig:
     xattn_block_size: int = 128  # XAttention's query/key block in tokens
     xattn_cover: str = "head"  # "head": each query head's own mass covers the threshold, the KV head keeps the
     # union (RULER on the H200: within 1 point of full, "group" 3.5-3.8 below); "group": their summed mass does
+    xattn_dense_last_blocks: int = 0  # XAttention: the prompt's last N query blocks attend to every key block
+    xattn_local_blocks: int = 0  # XAttention: each query block keeps the N key blocks before its own (local window)
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
@@ -139,7 +141,7 @@ class EngineConfig:
             raise ValueError(f"xattn_block_size={self.xattn_block_size} and kvcache_block_size="
                              f"{self.kvcache_block_size} must divide one another")
         _positive_int("quest_token_budget", self.quest_token_budget)
-        for name in ("quest_dense_layers", "sparse_min_context"):
+        for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

@@ -18,6 +18,9 @@ _HELP = {
     "xattn_block_size": "XAttention: query/key block in tokens",
     "xattn_cover": "XAttention: head (each query head covers the threshold; the KV head keeps the union; default) "
                    "or group (a KV head's query heads' summed mass covers it)",
+    "xattn_dense_last_blocks": "XAttention: the prompt's last N query blocks (of xattn_block_size tokens) attend to "
+                               "every key block",
+    "xattn_local_blocks": "XAttention: each query block also keeps the N key blocks before its own (a local window)",
     "quest_token_budget": "Quest: KV tokens each KV head reads per decode step, besides the sink and recent blocks",
     "quest_dense_layers": "Quest: the first N layers stay dense",
     "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",

@@ -25,6 +25,9 @@ BS = 16
     ("xattn_block_size", 24, "xattn_block_size must be a multiple of 16"),
     ("xattn_block_size", 96, "must divide one another"),
     ("xattn_cover", "kv", r"xattn_cover must be one of \('group', 'head'\)"),
+    ("xattn_dense_last_blocks", -1, "xattn_dense_last_blocks must be an integer >= 0"),
+    ("xattn_local_blocks", -2, "xattn_local_blocks must be an integer >= 0"),
+    ("xattn_local_blocks", 1.5, "xattn_local_blocks must be an integer >= 0"),
     ("quest_token_budget", 0, "quest_token_budget must be a positive integer"),
     ("quest_dense_layers", -1, "quest_dense_layers must be an integer >= 0"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
@@ -396,6 +399,147 @@ def test_xattention_head_cover_is_the_union_of_single_head_groups():
     single = group.sequence_selection(q, keys.repeat_interleave(2, 1), 16)
     assert torch.equal(head, single.view(2, 2, *single.shape[1:]).any(1))
     assert not torch.equal(head, group.sequence_selection(q, keys, 16))
+
+
+def forced_by_definition(base: torch.Tensor, seq_len: int, first: int, kb: int, xb: int, prefill_end: int,
+                         dense_last: int, local: int) -> torch.Tensor:
+    """base [Hk, query blocks, blocks] with the forced blocks on, token by token: KV block r of queries attends
+    to every visible block when one of its tokens lies in the prompt's last dense_last xb-token blocks, and to
+    block c when c holds a key in the `local` xb-token blocks before the one of r's first token."""
+    want = base.clone()
+    dense_token = (-(-prefill_end // xb) - dense_last) * xb if dense_last else prefill_end
+    for r in range(first, -(-seq_len // kb)):
+        dense = min((r + 1) * kb, seq_len) - 1 >= dense_token
+        for c in range(r + 1):
+            near = local and ((c + 1) * kb - 1) // xb >= (r * kb) // xb - local
+            if dense or near:
+                want[:, r - first, c] = True
+    return want
+
+
+@pytest.mark.parametrize("kb, xb, chunks", [
+    (16, 16, [(0, 64), (64, 128), (128, 150)]),  # the last 3 blocks (112-150) straddle two chunks
+    (16, 16, [(96, 150)]),  # a prefix-cache hit of 6 blocks, then the rest of the prompt
+    (32, 16, [(0, 70), (70, 150)]),  # KV blocks of two query blocks; a chunk boundary inside a block
+    (16, 32, [(0, 100), (100, 150)]),  # query blocks of two KV blocks
+])
+@pytest.mark.parametrize("dense_last, local", [(3, 0), (0, 2), (2, 3)])
+def test_xattention_forced_blocks_are_the_definitions(kb, xb, chunks, dense_last, local):
+    """Each chunk's selection with xattn_dense_last_blocks / xattn_local_blocks equals the selection without
+    them plus the blocks the definition forces (counted from the end of the prompt, not of the chunk); only
+    the chunks holding the prompt's last blocks change through dense_last."""
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    g = torch.Generator().manual_seed(kb + xb)
+    prompt_len, num_kv_heads, dim = chunks[-1][1], 2, 16
+    cache = PagedKVCache(1, 16, kb, num_kv_heads, dim, torch.float32, torch.device("cpu"))
+    keys = torch.randn(prompt_len, num_kv_heads, dim, generator=g) * 2
+    table = list(range(15, 15 - -(-prompt_len // kb), -1))
+    cache.write(0, keys, keys, torch.tensor([table[p // kb] * kb + p % kb for p in range(prompt_len)]))
+    q = torch.randn(prompt_len, 2 * num_kv_heads, dim, generator=g) * 2
+    base = XAttentionSelector(cache, None, 0.1, 4, xb, 0)
+    forced = XAttentionSelector(cache, None, 0.1, 4, xb, 0, dense_last_blocks=dense_last, local_blocks=local)
+    changed = False
+    for lo, hi in chunks:
+        batch = SelectionInput([hi - lo], [hi], kb, [table], prefill_ends=[prompt_len])
+        plain = base.select(0, q[lo:hi], num_kv_heads, batch)[0]
+        got = forced.select(0, q[lo:hi], num_kv_heads, batch)[0]
+        want = forced_by_definition(plain, hi, lo // kb, kb, xb, prompt_len, dense_last, local)
+        assert torch.equal(got, want)
+        changed |= not torch.equal(want, plain)
+        tail = -(-prompt_len // xb) * xb - dense_last * xb  # the first token of the dense queries
+        if not local and hi <= tail:
+            assert torch.equal(got, plain)
+        if dense_last:  # the last query blocks attend to every visible block
+            for r in range(max(lo // kb, tail // kb), -(-hi // kb)):
+                assert got[:, r - lo // kb, : r + 1].all()
+    assert changed  # the forced blocks are not all among the estimate's
+
+
+def test_xattention_dense_last_blocks_counts_from_the_prompt_end_not_the_chunk_end():
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    selector = XAttentionSelector(None, None, 0.3, 4, 16, 0, dense_last_blocks=2)
+    keep = torch.zeros(1, 4, 4, dtype=torch.bool)
+    mid_prompt = selector.with_forced_blocks(keep, SelectionInput([64], [64], 16, [[0, 1, 2, 3]], prefill_ends=[150]), 0)
+    assert not mid_prompt.any()
+    end = selector.with_forced_blocks(keep, SelectionInput([64], [64], 16, [[0, 1, 2, 3]]), 0)
+    assert end.sum() == 3 + 4 and end[:, 2, :3].all() and end[:, 3].all()
+
+
+def xattn_forced_llm(path, monkeypatch, **options) -> LLM:
+    """An XAttention engine whose estimate keeps nothing: it attends to the sink, the diagonal and the forced
+    blocks only."""
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    monkeypatch.setattr(XAttentionSelector, "_fewest_covering", lambda self, blocks: torch.zeros_like(blocks, dtype=torch.bool))
+    return xattn_llm(path, **options)
+
+
+def kept_by_definition(first: int, n: int, dense_from: int, local: int) -> list[list[int]]:
+    """Per query block first..n-1: the sink, the diagonal, the `local` blocks before it, every block from
+    dense_from on."""
+    return [sorted({0, r, *range(max(0, r - local), r)} | (set(range(r + 1)) if r >= dense_from else set()))
+            for r in range(first, n)]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_xattention_forced_blocks_in_the_engine_and_their_density(tiny_llama, monkeypatch, offload):
+    """Chunked prefill (64-token chunks: the prompt's last 3 blocks span two chunks), then a prompt sharing 6
+    blocks with it (a prefix-cache hit, device-only): every layer's selection is exactly sink + diagonal + local window
+    (fewer blocks at the sequence's start) + the last blocks dense, and prefill_density equals that count."""
+    memory = dict(num_gpu_blocks=5, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
+        dict(num_gpu_blocks=64)
+    llm = xattn_forced_llm(tiny_llama, monkeypatch, xattn_dense_last_blocks=3, xattn_local_blocks=2, **memory)
+    selector, calls = llm.runner.worker.selector, []
+    select = selector.select
+
+    def recording(layer, q, num_kv_heads, batch):
+        masks = select(layer, q, num_kv_heads, batch)
+        calls.append((batch, masks))
+        return masks
+
+    selector.select = recording
+    first_token = SamplingParams(temperature=0, max_tokens=1)
+    prompts = [list(range(3, 153)), list(range(3, 99)) + list(range(250, 176, -1))]  # 150 tokens; 96 shared + 74
+    for prompt in prompts:
+        calls.clear()
+        out = llm.generate([prompt], first_token, use_tqdm=False)[0]
+        kept = visible = 0
+        dense_from = -(-len(prompt) // BS) - 3
+        for batch, masks in calls:
+            first, n = batch.first_query_block(0), batch.num_blocks(0)
+            want = kept_by_definition(first, n, dense_from, 2)
+            assert [m.nonzero()[:, 0].tolist() for m in masks[0][0]] == want
+            assert torch.equal(masks[0][0], masks[0][1])
+            kept += sum(map(len, want))
+            visible += sum(r + 1 for r in range(first, n))
+        assert len({b.query_lens[0] for b, _ in calls}) == 2  # chunked
+        # dense rows in a chunk before the prompt's last one (through SplitKV with host blocks in offload mode)
+        assert any(b.seq_lens[0] < len(prompt) and b.num_blocks(0) > dense_from
+                   and (not offload or any(b.on_host[0])) for b, _ in calls)
+        if not offload:  # (offload moves the first prompt's blocks to the host, out of the prefix cache)
+            assert out.metrics.num_cached_tokens == (0 if prompt is prompts[0] else 96)
+        assert out.metrics.prefill_density == pytest.approx(kept / visible)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_xattention_dense_last_blocks_covering_the_prompt_equals_full_attention(tiny_llama, offload):
+    """Threshold 0.5 is sparse on these prompts (test_xattention_sparse_prefill_same_device_only_and_offload);
+    with every query block among the dense last ones it is full attention."""
+    assert_equals_full_attention(lambda **m: xattn_llm(tiny_llama, xattn_threshold=0.5, xattn_dense_last_blocks=16, **m),
+                                 tiny_llama, offload, "prefill_density")
+
+
+def test_xattention_forced_block_options_are_command_line_flags():
+    import argparse
+
+    from nanovllm.engine_args import add_engine_options, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    args = parser.parse_args(["--xattn-dense-last-blocks", "2", "--xattn-local-blocks", "1"])
+    assert engine_options(args) == {"xattn_dense_last_blocks": 2, "xattn_local_blocks": 1}
 
 
 def test_sparse_offload_steps_dense_for_the_step_plan_their_host_pieces_once(tmp_path):

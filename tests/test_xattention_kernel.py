@@ -66,3 +66,26 @@ def test_selection_through_the_kernel_equals_the_torch_path(seq_len, n_q, stride
     kept = fused.sequence_selection(q.to(DEVICE), keys.to(DEVICE), 2 * granule).cpu()
     assert torch.equal(kept, reference.sequence_selection(q, keys, 2 * granule))
     assert not kept.all()
+
+
+def test_forced_blocks_through_the_kernel_equal_the_torch_path():
+    """select() on a chunk before the prompt's end, with xattn_dense_last_blocks and xattn_local_blocks: the
+    fused estimate and the PyTorch one keep the same blocks, the prompt's last query blocks every visible one."""
+    pytest.importorskip("triton")
+    from nanovllm.engine.kv_cache import PagedKVCache
+    from nanovllm.layers.block_selector import SelectionInput
+
+    seq_len, n_q, prompt_len, kb = 301, 123, 340, 32
+    q, keys = inputs(seq_len, n_q, 1, 4, 32, torch.float32)
+    cache = PagedKVCache(1, 12, kb, 1, 32, torch.float32, DEVICE)
+    cache.write(0, keys.to(DEVICE), keys.to(DEVICE), torch.arange(seq_len, device=DEVICE))
+    batch = SelectionInput([n_q], [seq_len], kb, [list(range(10))], prefill_ends=[prompt_len])
+    kept = []
+    for fused in (True, False):
+        s = XAttentionSelector(cache, None, 0.3, 8, 32, 0, dense_last_blocks=3, local_blocks=1)
+        s.fused_estimate = fused
+        kept.append(s.select(0, q.to(DEVICE), 1, batch)[0].cpu())
+    assert torch.equal(kept[0], kept[1])
+    first = (seq_len - n_q) // kb
+    assert kept[0][:, 8 - first, :9].all() and kept[0][:, 9 - first, :10].all()  # blocks 8-9: tokens 256-340
+    assert not kept[0][:, 7 - first, :8].all()

@@ -11,8 +11,9 @@
   (one stride-th of the full Q.K^T work), softmax per query head over the visible key tiles, the
   probabilities summed over the query heads of each KV-head group (K is never repeated per query head)
   and over `block_size`-token blocks. Per KV head and block of queries, the fewest key blocks that
-  cover `threshold` of that estimated mass are kept, with the sink block and the diagonal. Host blocks'
-  K (never V) is read for the estimate. Selections are made at max(block_size, KV block) tokens.
+  cover `threshold` of that estimated mass are kept, with the sink block and the diagonal, and the blocks
+  the options force (`with_forced_blocks`: all of them for the prompt's last `dense_last_blocks` query
+  blocks, a window of `local_blocks` before each one). Host blocks' K (never V) is read for the estimate. Selections are made at max(block_size, KV block) tokens.
 - `build_sparse_policy` maps `sparse_policy` ("full", "quest", ...) to a selector and registers the
   metadata hooks it needs on the KV cache.
 
@@ -185,13 +186,14 @@ class XAttentionSelector(BlockSelector):
     name = "xattention"
 
     def __init__(self, cache: PagedKVCache, host_pool, threshold: float, stride: int, block_size: int,
-                 min_context: int, cover: str = "head"):
+                 min_context: int, cover: str = "head", dense_last_blocks: int = 0, local_blocks: int = 0):
         """host_pool: the offload pool (read_keys), or None. cover "group": the summed mass of a KV head's
         query heads covers the threshold; "head": each query head's own mass does, and the KV head keeps the
-        union of its query heads' blocks (a head attending elsewhere than its group keeps its blocks)."""
+        union of its query heads' blocks (a head attending elsewhere than its group keeps its blocks).
+        dense_last_blocks, local_blocks: blocks always kept (`with_forced_blocks`)."""
         self.cache, self.host_pool = cache, host_pool
         self.threshold, self.stride, self.block_size, self.min_context = threshold, stride, block_size, min_context
-        self.cover = cover
+        self.cover, self.dense_last_blocks, self.local_blocks = cover, dense_last_blocks, local_blocks
         # the Triton estimate (kernels/triton_xattention.py) instead of the PyTorch path: off, as on the H200 it
         # took 1.5-1.9x the PyTorch path's time (68.7 vs 35.6 ms at 128K, docs/BENCHMARKS.md)
         self.fused_estimate = False
@@ -209,9 +211,36 @@ class XAttentionSelector(BlockSelector):
                 masks.append(None)
                 continue
             keys = self._keys(layer, batch, i)
-            masks.append(self.sequence_selection(q[batch.query_rows(i)], keys, batch.block_size))
+            masks.append(self.with_forced_blocks(self.sequence_selection(q[batch.query_rows(i)], keys, batch.block_size),
+                                                 batch, i))
             sparse = True
         return masks if sparse else None
+
+    def with_forced_blocks(self, keep: torch.Tensor, batch: SelectionInput, i: int) -> torch.Tensor:
+        """Sequence i's keep [Hk, query blocks, blocks] with the blocks the options always keep switched on
+        (visible ones only), in units of `block_size` tokens rounded out to whole KV blocks: every block for
+        the KV blocks holding the prefill's last `dense_last_blocks` blocks of queries (counted from the end
+        of the prompt, not of this chunk), and per KV block of queries the `local_blocks` blocks of keys
+        before its first token's block (a local window)."""
+        kv_block, xb, local = batch.block_size, self.block_size, self.local_blocks
+        first, n = batch.first_query_block(i), keep.shape[-1]
+        dense_from = self._dense_from(batch.prefill_end(i), kv_block, n)
+        if dense_from >= n and not local:
+            return keep
+        rows = torch.arange(first, n, device=keep.device)[:, None]
+        columns = torch.arange(n, device=keep.device)
+        forced = rows >= dense_from
+        if local:
+            window = (rows * kv_block // xb - local) * xb // kv_block  # each row's first block kept (may be < 0)
+            forced = forced | (columns >= window)
+        return keep | (forced & (columns <= rows))
+
+    def _dense_from(self, prefill_end: int, kv_block: int, num_blocks: int) -> int:
+        """The first KV block holding one of the prefill's last dense_last_blocks blocks of queries (of
+        block_size tokens, the last one partial); num_blocks when there are none."""
+        if not self.dense_last_blocks:
+            return num_blocks
+        return max(0, -(-prefill_end // self.block_size) - self.dense_last_blocks) * self.block_size // kv_block
 
     def _keys(self, layer: int, batch: SelectionInput, i: int) -> torch.Tensor:
         """[seq_len, Hk, D] keys of sequence i: device blocks from the cache, host blocks' K from the pool."""
@@ -406,7 +435,8 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,
-                                                     config.xattn_cover)
+                                                     config.xattn_cover, config.xattn_dense_last_blocks,
+                                                     config.xattn_local_blocks)
     if len(selectors) == 2:
         return PrefillDecodeSelector(selectors["xattention"], selectors["quest"])
     return next(iter(selectors.values()))
