@@ -460,10 +460,9 @@ def test_xattention_dense_last_blocks_counts_from_the_prompt_end_not_the_chunk_e
     from nanovllm.layers.sparse_policies import XAttentionSelector
 
     selector = XAttentionSelector(None, None, 0.3, 4, 16, 0, dense_last_blocks=2)
-    keep = torch.zeros(1, 4, 4, dtype=torch.bool)
-    mid_prompt = selector.with_forced_blocks(keep, SelectionInput([64], [64], 16, [[0, 1, 2, 3]], prefill_ends=[150]), 0)
-    assert not mid_prompt.any()
-    end = selector.with_forced_blocks(keep, SelectionInput([64], [64], 16, [[0, 1, 2, 3]]), 0)
+    keep, table = torch.zeros(1, 4, 4, dtype=torch.bool), [[0, 1, 2, 3]]
+    assert not selector.with_forced_blocks(keep, SelectionInput([64], [64], 16, table, prefill_ends=[150]), 0).any()
+    end = selector.with_forced_blocks(keep, SelectionInput([64], [64], 16, table), 0)
     assert end.sum() == 3 + 4 and end[:, 2, :3].all() and end[:, 3].all()
 
 
@@ -472,7 +471,8 @@ def xattn_forced_llm(path, monkeypatch, **options) -> LLM:
     blocks only."""
     from nanovllm.layers.sparse_policies import XAttentionSelector
 
-    monkeypatch.setattr(XAttentionSelector, "_fewest_covering", lambda self, blocks: torch.zeros_like(blocks, dtype=torch.bool))
+    monkeypatch.setattr(XAttentionSelector, "_fewest_covering",
+                        lambda self, blocks: torch.zeros_like(blocks, dtype=torch.bool))
     return xattn_llm(path, **options)
 
 
@@ -527,8 +527,8 @@ def test_xattention_forced_blocks_in_the_engine_and_their_density(tiny_llama, mo
 def test_xattention_dense_last_blocks_covering_the_prompt_equals_full_attention(tiny_llama, offload):
     """Threshold 0.5 is sparse on these prompts (test_xattention_sparse_prefill_same_device_only_and_offload);
     with every query block among the dense last ones it is full attention."""
-    assert_equals_full_attention(lambda **m: xattn_llm(tiny_llama, xattn_threshold=0.5, xattn_dense_last_blocks=16, **m),
-                                 tiny_llama, offload, "prefill_density")
+    llm_for = lambda **m: xattn_llm(tiny_llama, xattn_threshold=0.5, xattn_dense_last_blocks=16, **m)  # noqa: E731
+    assert_equals_full_attention(llm_for, tiny_llama, offload, "prefill_density")
 
 
 def test_xattention_forced_block_options_are_command_line_flags():

@@ -13,7 +13,8 @@
   and over `block_size`-token blocks. Per KV head and block of queries, the fewest key blocks that
   cover `threshold` of that estimated mass are kept, with the sink block and the diagonal, and the blocks
   the options force (`with_forced_blocks`: all of them for the prompt's last `dense_last_blocks` query
-  blocks, a window of `local_blocks` before each one). Host blocks' K (never V) is read for the estimate. Selections are made at max(block_size, KV block) tokens.
+  blocks, a window of `local_blocks` before each one). Host blocks' K (never V) is read for the estimate.
+  Selections are made at max(block_size, KV block) tokens.
 - `build_sparse_policy` maps `sparse_policy` ("full", "quest", ...) to a selector and registers the
   metadata hooks it needs on the KV cache.
 
@@ -210,9 +211,8 @@ class XAttentionSelector(BlockSelector):
             if batch.query_lens[i] == 1 or batch.seq_lens[i] < self.min_context:
                 masks.append(None)
                 continue
-            keys = self._keys(layer, batch, i)
-            masks.append(self.with_forced_blocks(self.sequence_selection(q[batch.query_rows(i)], keys, batch.block_size),
-                                                 batch, i))
+            keep = self.sequence_selection(q[batch.query_rows(i)], self._keys(layer, batch, i), batch.block_size)
+            masks.append(self.with_forced_blocks(keep, batch, i))
             sparse = True
         return masks if sparse else None
 
