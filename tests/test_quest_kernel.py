@@ -25,7 +25,9 @@ BASE = 1 << 40
 @pytest.mark.parametrize("launch", [dict(), dict(blocks_per_program=1, num_warps=2, use_dot=False),
                                     dict(blocks_per_program=4, use_dot=True, num_warps=4), dict(blocks_per_program=8, use_dot=True, num_warps=4)],
                          ids=["default", "1-block-sum", "4-block-dot", "8-block-dot"])
-def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host, launch):
+@pytest.mark.parametrize("pages", [False, True], ids=["blocks", "pages"])
+def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host, launch, pages):
+    """Block scores, or with pages=True each page's (Quest's page selection)."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import quest_block_scores
 
@@ -57,15 +59,16 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
     batch = SelectionInput([1] * 3, seq_lens, block_size, located, on_host if host else None)
     layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=BASE if host else None)
     q = torch.randn(3, num_kv_heads * group, dim, generator=g)
-    want = QuestSelector(bounds, 4 * block_size, 0, 0).batch_block_scores(0, q, num_kv_heads, layout)
+    want = QuestSelector(bounds, 4 * block_size, 0, 0).batch_block_scores(0, q, num_kv_heads, layout, pages=pages)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     got = quest_block_scores(to(q), to(bounds.min[0]), to(bounds.max[0]), to(bounds.host_min[0]),
                              to(bounds.host_max[0]), to(layout.ids), to(layout.seq_lens), block_size, 16,
-                             layout.base, **launch).cpu()
+                             layout.base, pages=pages, **launch).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], atol=1e-4, rtol=1e-5)
-    assert finite.sum() == sum(-(-n // block_size) for n in seq_lens) * num_kv_heads
+    columns = (lambda n: -(-n // 16)) if pages else (lambda n: -(-n // block_size))  # pages or blocks holding keys
+    assert finite.sum() == sum(columns(n) for n in seq_lens) * num_kv_heads
 
 
 def test_request_dependent_scalars_compile_no_new_kernel_variant():

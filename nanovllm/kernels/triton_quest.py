@@ -7,7 +7,9 @@ holding keys, of sum_d max(q_d * max_d, q_d * min_d) = q+ . max + q- . min; -inf
 blocks. The same numbers as `QuestSelector.batch_block_scores`, the reference, but without gathering
 the bounds of every page into a copy: grid (B, Hk, cdiv(W, BLOCKS)), each program reads its blocks'
 pages once (16 x D per block of 256 tokens), so the scores cost one pass over the bounds and the
-shapes alone fix the launch (no host value: it runs inside CUDA graphs).
+shapes alone fix the launch (no host value: it runs inside CUDA graphs). With `pages=True` the kernel
+stores each page's bound instead of the block's maximum ([B, Hk, W * pages per block], for Quest's page
+selection): the same reads, one store per page.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def _quest_scores_kernel(
     stride_qb, stride_qh, stride_page, stride_ph, stride_tb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGES: tl.constexpr,
     PAGES_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, PAGE_OUT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -61,15 +63,18 @@ def _quest_scores_kernel(
         else:  # [group, pages, D] products summed over D: no padding of the group to 16 rows
             s = tl.sum(q_pos[:, None, :] * hi[None, :, :] + q_neg[:, None, :] * lo[None, :, :], axis=2)
         s = tl.where((g < GROUP)[:, None] & page_ok[None, :], s, float("-inf"))
-        score = tl.max(tl.max(s, axis=1), axis=0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + c, score, mask=in_table)
+        page_scores = tl.max(s, axis=0)  # [PAGES_PAD]
+        if PAGE_OUT:
+            tl.store(out_ptr + b * stride_ob + h * stride_oh + c * PAGES + p, page_scores, mask=(p < PAGES) & in_table)
+        else:
+            tl.store(out_ptr + b * stride_ob + h * stride_oh + c, tl.max(page_scores, axis=0), mask=in_table)
 
 
 def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host_lo: torch.Tensor,
                        host_hi: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                        page_size: int, base: int | None, blocks_per_program: int = BLOCKS_PER_PROGRAM,
-                       num_warps: int = NUM_WARPS, use_dot: bool = USE_DOT) -> torch.Tensor:
-    """[B, Hk, W] float32 block scores. q [B, Hq, D]; lo/hi [pages, Hk, D] one layer's device page
+                       num_warps: int = NUM_WARPS, use_dot: bool = USE_DOT, pages: bool = False) -> torch.Tensor:
+    """[B, Hk, W] float32 block scores ([B, Hk, W * block_size // page_size] page scores with pages). q [B, Hq, D]; lo/hi [pages, Hk, D] one layer's device page
     bounds, host_lo/host_hi the same for host blocks (entries >= base of tables [B, W]; may be empty);
     seq_lens [B]. The launch options are bench/tune_quest.py's sweep."""
     batch, num_heads, head_dim = q.shape
@@ -79,16 +84,16 @@ def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host
         raise ValueError("host page bounds need the device bounds' dtype and strides")
     lo_delta = (host_lo.data_ptr() - lo.data_ptr()) // lo.element_size() if host_lo.numel() else 0
     hi_delta = (host_hi.data_ptr() - hi.data_ptr()) // hi.element_size() if host_hi.numel() else 0
-    width = tables.shape[1]
-    out = torch.empty(batch, num_kv_heads, width, dtype=torch.float32, device=q.device)
-    group, pages = num_heads // num_kv_heads, block_size // page_size
+    width, per_block = tables.shape[1], block_size // page_size
+    out = torch.empty(batch, num_kv_heads, width * (per_block if pages else 1), dtype=torch.float32, device=q.device)
+    group = num_heads // num_kv_heads
     group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
-    pages_pad = max(16, triton.next_power_of_2(pages)) if use_dot else triton.next_power_of_2(pages)
+    pages_pad = max(16, triton.next_power_of_2(per_block)) if use_dot else triton.next_power_of_2(per_block)
     grid = (batch, num_kv_heads, triton.cdiv(width, blocks_per_program))
     _quest_scores_kernel[grid](
         q, lo, hi, tables, seq_lens, out, lo_delta, hi_delta, NO_SECOND_POOL if base is None else base, width,
         q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGES=pages, PAGES_PAD=pages_pad, PAGE_SIZE=page_size,
-        BLOCK_SIZE=block_size, BLOCKS=blocks_per_program, USE_DOT=use_dot, num_warps=num_warps,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGES=per_block, PAGES_PAD=pages_pad, PAGE_SIZE=page_size,
+        BLOCK_SIZE=block_size, BLOCKS=blocks_per_program, USE_DOT=use_dot, PAGE_OUT=pages, num_warps=num_warps,
     )
     return out

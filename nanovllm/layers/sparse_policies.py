@@ -148,25 +148,28 @@ class QuestSelector(BlockSelector):
         keep |= (~middle & layout.valid)[:, None, :]  # the sink and the most recent blocks
         return keep & layout.valid[:, None, :]
 
-    def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
+    def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+                           pages: bool = False) -> torch.Tensor:
         """[B, Hk, blocks] upper bounds of each sequence's query q [B, Hq, D] on its blocks (-inf past its
-        keys). Per dimension max(q*max, q*min) is q+ * max + q- * min (max >= min), so the bound of a page
-        is two matrix products. On CUDA one Triton kernel reads the bounds through the tables
-        (kernels/triton_quest.py); this is its reference."""
+        keys); pages: on each page, [B, Hk, blocks * pages_per_block]. Per dimension max(q*max, q*min) is
+        q+ * max + q- * min (max >= min), so the bound of a page is two matrix products. On CUDA one
+        Triton kernel reads the bounds through the tables (kernels/triton_quest.py); this is its reference."""
         if q.is_cuda:
             from nanovllm.kernels.triton_quest import quest_block_scores
 
             b = self.bounds
             return quest_block_scores(q, b.min[layer], b.max[layer], b.host_min[layer], b.host_max[layer], layout.ids,
-                                      layout.seq_lens, b.block_size, b.page_size, layout.base)
+                                      layout.seq_lens, b.block_size, b.page_size, layout.base, pages=pages)
         lo, hi = self.bounds.layout_pages(layer, layout)  # [B, pages, Hk, D]
-        batch_size, pages = lo.shape[:2]
+        batch_size, num_pages = lo.shape[:2]
         q = q.float().view(batch_size, num_kv_heads, -1, q.shape[-1])  # [B, Hk, group, D]
         lo, hi = lo.float().permute(0, 2, 3, 1), hi.float().permute(0, 2, 3, 1)  # [B, Hk, D, pages]
         page_scores = (q.clamp(min=0) @ hi + q.clamp(max=0) @ lo).amax(2)  # [B, Hk, pages]
         written = -(-layout.seq_lens // self.bounds.page_size)  # pages holding keys
-        holding = torch.arange(pages, device=q.device)[None, :] < written[:, None]
+        holding = torch.arange(num_pages, device=q.device)[None, :] < written[:, None]
         page_scores = page_scores.masked_fill(~holding[:, None, :], float("-inf"))
+        if pages:
+            return page_scores
         return page_scores.view(batch_size, num_kv_heads, -1, self.bounds.pages_per_block).amax(-1)
 
     def block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput,
