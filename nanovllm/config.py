@@ -47,6 +47,7 @@ class EngineConfig:
     xattn_local_blocks: int = 0  # XAttention: each query block keeps the N key blocks before its own (local window)
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
+    quest_page_select: bool = False  # Quest: decode steps keep each KV head's top 16-token pages, not blocks
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)
@@ -141,6 +142,8 @@ class EngineConfig:
             raise ValueError(f"xattn_block_size={self.xattn_block_size} and kvcache_block_size="
                              f"{self.kvcache_block_size} must divide one another")
         _positive_int("quest_token_budget", self.quest_token_budget)
+        if not isinstance(self.quest_page_select, bool):
+            raise ValueError(f"quest_page_select must be a bool, got {self.quest_page_select!r}")
         for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

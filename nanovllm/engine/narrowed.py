@@ -6,7 +6,9 @@ tensors so that they run in CUDA graphs like dense decode steps.
 the whole selection from the graph's inputs: the block tables (a host block as RING_BASE + its host
 id, read in place from pinned memory by the decode kernel), the KV lengths and the layer's queries. It
 builds per-KV-head tables of a fixed width and counts, in a static buffer, the blocks each row read and
-the host blocks among them (read once after the step). Layers the selector reads whole attend over the
+the host blocks among them (read once after the step). A selector that selects pages (Quest with
+`quest_page_select`) keeps columns of `decode_page_size` tokens: the tables name pages of the pools
+viewed in pages (`page_views`; host pages read in place too) and the counts are in pages. Layers the selector reads whole attend over the
 full tables, their host blocks from the device mirror where the pool keeps one (offload/host_pool.py).
 Without graphs (on the CPU) the same access runs eagerly, which is how it is tested in CI.
 """
@@ -19,14 +21,14 @@ from nanovllm.engine.offload.host_pool import RING_BASE, HostKVPool
 from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import BlockSelector, DecodeLayout
-from nanovllm.layers.kv_access import KVAccess, head_tables
+from nanovllm.layers.kv_access import KVAccess, head_tables, page_views
 
 GRAPH_SCRATCH_BYTES = 2 * 2**30  # the most a narrowed graph's selection may hold at once (bounds gathered per row)
 
 
 class NarrowedDecode:
     """What narrowed decode steps share for the engine's life: the selector, the pools and the count
-    buffer [rows, 2] (blocks read, host blocks read in place; summed over layers and KV heads)."""
+    buffer [rows, 2] (columns read, host columns read in place; summed over layers and KV heads)."""
 
     def __init__(self, selector: BlockSelector, cache: PagedKVCache, backend: AttentionBackend,
                  host_pool: HostKVPool | None, block_size: int, max_rows: int):
@@ -34,7 +36,7 @@ class NarrowedDecode:
         self.block_size = block_size
         self.counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=cache.data.device)
         self.captured_with: BlockSelector | None = None  # the selector the narrowed graphs were captured with
-        self.captured_blocks = 0  # and the blocks per head it kept then
+        self.captured_shape = (0, 0)  # and the columns per head it kept then, and their tokens
 
     @property
     def enabled(self) -> bool:
@@ -44,11 +46,19 @@ class NarrowedDecode:
         """Whether a narrowed graph of this bucket runs `selector`'s narrowing (a selector swapped in later,
         or one whose budget changed since the capture, runs eagerly)."""
         return selector is self.captured_with and bucket in graphs.narrowed_graphs and \
-            self.captured_blocks == selector.narrowed_blocks(self.block_size)
+            self.captured_shape == self._shape(selector)
 
     def capturing(self) -> None:
         """The narrowed graphs are being captured with the current selector."""
-        self.captured_with, self.captured_blocks = self.selector, self.selector.narrowed_blocks(self.block_size)
+        self.captured_with, self.captured_shape = self.selector, self._shape(self.selector)
+
+    def _shape(self, selector: BlockSelector) -> tuple[int, int]:
+        return selector.narrowed_blocks(self.block_size), selector.decode_page_size(self.block_size)
+
+    @property
+    def columns_per_block(self) -> int:
+        """The selector's columns (the counts' unit) per KV block: 1, or its pages per block."""
+        return self.block_size // self.selector.decode_page_size(self.block_size)
 
     def kv(self, meta: AttentionMetadata) -> NarrowedDecodeKV:
         return NarrowedDecodeKV(self, meta)
@@ -75,7 +85,8 @@ class NarrowedDecode:
         return HostKV(pool.host[0, layer], pool.host[1, layer], RING_BASE), True
 
     def read_counts(self, rows: int) -> list[tuple[int, int]]:
-        """(blocks read, host blocks read in place) per row of the last narrowed step (waits for it)."""
+        """(columns read, host columns read in place) per row of the last narrowed step (waits for it);
+        columns_per_block of them make a block."""
         return [tuple(r) for r in self.counts[:rows].tolist()]
 
 
@@ -96,20 +107,26 @@ class NarrowedDecodeKV(KVAccess):
         if self.layout is None:  # the first layer: the step's layout and fresh counts
             self.layout = DecodeLayout.from_tensors(meta.block_tables_tensor, meta.seq_lens_tensor, s.block_size, base)
             self.counts.zero_()
-        layout = self.layout
-        keep = s.selector.narrow(layer, q, num_kv_heads, layout)
+        keep = s.selector.narrow(layer, q, num_kv_heads, self.layout)
         second, over_pcie = s.second_pool(layer, whole=keep is None)
-        if keep is None:
-            keep = layout.valid[:, None, :].expand(-1, num_kv_heads, -1)
-            attend_meta = meta
+        if keep is None:  # every block: counted as its columns
+            columns, weight, attend_meta = self.layout, s.columns_per_block, meta
+            keep = columns.valid[:, None, :].expand(-1, num_kv_heads, -1)
         else:
-            width = min(s.selector.narrowed_blocks(s.block_size), layout.ids.shape[1])
-            tables, lengths = head_tables(layout, keep, width, s.block_size)
-            attend_meta = AttentionMetadata(
-                query_lens=meta.query_lens, seq_lens=[width * s.block_size] * meta.num_seqs, block_tables=[],
-                slot_mapping=meta.slot_mapping, cu_query_lens=meta.cu_query_lens,
-                seq_lens_tensor=lengths.to(torch.int32), block_tables_tensor=tables, block_size=s.block_size)
-        self.counts[:, 0] += keep.sum((1, 2))
+            columns, weight = self.layout.at(s.selector.decode_page_size(s.block_size)), 1
+            attend_meta = self._narrowed_meta(columns, keep)
+        self.counts[:, 0] += keep.sum((1, 2)) * weight
         if over_pcie:
-            self.counts[:, 1] += (keep & layout.on_host[:, None, :]).sum((1, 2))
+            self.counts[:, 1] += (keep & columns.on_host[:, None, :]).sum((1, 2)) * weight
+        k_cache, v_cache, second = page_views(columns.block_size, k_cache, v_cache, second)
         return s.backend.forward(q, k_cache, v_cache, attend_meta, scale, host_kv=second)
+
+    def _narrowed_meta(self, columns: DecodeLayout, keep: torch.Tensor) -> AttentionMetadata:
+        """Per-KV-head decode metadata over the kept columns (blocks or pages), tables of a fixed width."""
+        meta, page_size = self.meta, columns.block_size
+        width = min(self.shared.selector.narrowed_blocks(self.shared.block_size), columns.ids.shape[1])
+        tables, lengths = head_tables(columns, keep, width, page_size)
+        return AttentionMetadata(
+            query_lens=meta.query_lens, seq_lens=[width * page_size] * meta.num_seqs, block_tables=[],
+            slot_mapping=meta.slot_mapping, cu_query_lens=meta.cu_query_lens,
+            seq_lens_tensor=lengths.to(torch.int32), block_tables_tensor=tables, block_size=page_size)

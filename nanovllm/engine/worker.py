@@ -204,7 +204,9 @@ class Worker:
             self.kv_cache.moved_to_host(plan.offloads)
         self.selector.before_step(plan)
         if plan.narrowed:
-            return self._narrowed_logits(plan), {}, self.work.narrowed(plan, self.narrowed.read_counts(len(plan.seq_ids)))
+            logits = self._narrowed_logits(plan)
+            counts = self.narrowed.read_counts(len(plan.seq_ids))
+            return logits, {}, self.work.narrowed(plan, counts, self.narrowed.columns_per_block)
         if plan.graph_batch is not None:
             tables, mode = plan.block_tables, "plain"
             if plan.staged_copies is not None:

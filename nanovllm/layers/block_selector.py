@@ -12,7 +12,7 @@ them, and the causal mask stays right when the rest is dropped.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,15 +97,42 @@ class DecodeLayout:
     device (`BlockSelector.decode_keep`): per sequence its blocks in position order, padded to the longest.
     blocks: ids within their pool (-1: padding); ids: the kernel's table entries (host blocks as
     second_pool_base + id where the host pool is read in place); on_host, valid: [B, max blocks] bool;
-    seq_lens: [B] int64."""
+    seq_lens: [B] int64; block_size: tokens per column (`at` gives the same step in smaller pages)."""
 
-    batch: SelectionInput | None  # None when built from a graph's tensors (from_tensors)
+    batch: SelectionInput | None  # None when built from a graph's tensors (from_tensors); block_size: the KV block's
     blocks: torch.Tensor
     ids: torch.Tensor
     on_host: torch.Tensor
     valid: torch.Tensor
     seq_lens: torch.Tensor
+    block_size: int
     base: int | None = None  # ids >= base name host blocks (base + host id); None: ids are the blocks
+    _paged: dict[int, DecodeLayout] = field(default_factory=dict, repr=False, compare=False)  # at(), made once
+
+    def at(self, page_size: int) -> DecodeLayout:
+        """This layout in pages of page_size tokens (dividing block_size): column c * P + p is page p of block
+        c (P = block_size // page_size), named as in a pool viewed [blocks * P, page_size, Hk, D], the same
+        memory (host pages: base + host id * P + p). Tensor operations only (they run inside CUDA graphs);
+        made once per layout and page size."""
+        if page_size == self.block_size:
+            return self
+        if page_size not in self._paged:
+            self._paged[page_size] = self._pages(page_size)
+        return self._paged[page_size]
+
+    def _pages(self, page_size: int) -> DecodeLayout:
+        per_block = self.block_size // page_size
+        step = torch.arange(per_block, device=self.ids.device)
+        spread = lambda t: (t[..., None] * per_block + step).flatten(1)  # noqa: E731
+        columns = torch.arange(self.ids.shape[1] * per_block, device=self.ids.device)
+        valid = columns[None, :] < (-(-self.seq_lens // page_size))[:, None]
+        blocks = torch.where(valid, spread(self.blocks), -1)
+        ids = spread(self.ids)
+        if self.base is not None:  # host entries: base + host page
+            host = (self.ids >= self.base).repeat_interleave(per_block, 1)
+            ids = torch.where(host, self.base + spread(self.ids - self.base), ids)
+        on_host = self.on_host.repeat_interleave(per_block, 1) & valid
+        return DecodeLayout(self.batch, blocks, ids, on_host, valid, self.seq_lens, page_size, self.base)
 
     @classmethod
     def from_tensors(cls, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -116,7 +143,8 @@ class DecodeLayout:
         valid = torch.arange(tables.shape[1], device=tables.device)[None, :] < (-(-seq_lens // block_size))[:, None]
         on_host = tables >= second_pool_base if second_pool_base is not None else torch.zeros_like(valid)
         blocks = torch.where(on_host, tables - (second_pool_base or 0), tables)
-        return cls(None, torch.where(valid, blocks, -1), tables, on_host & valid, valid, seq_lens, second_pool_base)
+        return cls(None, torch.where(valid, blocks, -1), tables, on_host & valid, valid, seq_lens, block_size,
+                   second_pool_base)
 
     @classmethod
     def build(cls, batch: SelectionInput, device: torch.device, second_pool_base: int | None = None) -> DecodeLayout:
@@ -132,7 +160,7 @@ class DecodeLayout:
         entries = ids if second_pool_base is None else torch.where(on_host, ids + second_pool_base, ids)
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(batch, to(ids), to(entries), to(on_host), to(valid),
-                   to(torch.tensor(batch.seq_lens, dtype=torch.int64)), second_pool_base)
+                   to(torch.tensor(batch.seq_lens, dtype=torch.int64)), batch.block_size, second_pool_base)
 
 
 class BlockSelector(ABC):
@@ -161,10 +189,15 @@ class BlockSelector(ABC):
     def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
                     layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
         """For a decode step (one query row per sequence), the selection made on the device without a
-        host sync: (keep [B, Hk, max blocks] bool, the most blocks any head keeps), or None for every
-        block. Equal to select() with the query blocks switched on. Selectors without it return
-        NotImplemented and are asked select() instead."""
+        host sync: (keep [B, Hk, columns] bool over layout.at(decode_page_size), the most columns any head
+        keeps), or None for every block. Equal to select() with the query blocks switched on (where the
+        columns are blocks). Selectors without it return NotImplemented and are asked select() instead."""
         return NotImplemented
+
+    def decode_page_size(self, block_size: int) -> int:
+        """Tokens per column of the decode masks (decode_keep, narrow, narrowed_blocks): the KV block, or
+        pages it divides into (the strategies then attend over the pools viewed in pages)."""
+        return block_size
 
     def narrowed_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         """True when a decode step of sequences with these KV lengths has every row narrowed to
@@ -173,7 +206,7 @@ class BlockSelector(ABC):
         return False
 
     def narrowed_blocks(self, block_size: int) -> int:
-        """The blocks each KV head keeps in a narrowed decode step."""
+        """The blocks (columns of decode_page_size tokens) each KV head keeps in a narrowed decode step."""
         raise NotImplementedError
 
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
@@ -181,7 +214,7 @@ class BlockSelector(ABC):
         raise NotImplementedError
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
-        """For a step `narrowed_decode` accepted: keep [B, Hk, W] over layout's blocks, at most
+        """For a step `narrowed_decode` accepted: keep [B, Hk, W] over layout.at(decode_page_size), at most
         narrowed_blocks per head (fewer only in padding rows), from tensors alone (fixed shapes, no host
         value, no sync: inside a CUDA graph); None for a layer read whole."""
         raise NotImplementedError
@@ -218,16 +251,19 @@ class SparseStats:
         self.prefill = [[0, 0] for _ in range(num_seqs)]
         self.decode = [[0, 0] for _ in range(num_seqs)]
         self.host_bytes = [0] * num_seqs
-        self._on_device: list[tuple[torch.Tensor, int]] = []  # ([B, 2] kept pairs, host pairs; bytes per host pair)
+        # ([B, 2] kept (head, column) pairs, those on the host; bytes per host (head, block), columns per block)
+        self._on_device: list[tuple[torch.Tensor, int, int]] = []
         self._attended: list[tuple[list, int, torch.Tensor]] = []  # (prefill or decode, sequence, pairs on the device)
 
     def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int) -> None:
-        """Count a device-side decode selection without a sync (added up by resolve())."""
+        """Count a device-side decode selection without a sync (added up by resolve()). keep is over
+        layout's columns: a page of a block counts as that share of the block, and of its bytes."""
         num_kv_heads = keep.shape[1]
         for i in range(len(layout.batch.seq_lens)):
             self.decode[i][1] += layout.batch.num_blocks(i) * num_kv_heads
         host_pairs = (keep & layout.on_host[:, None, :]).sum((1, 2))
-        self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs], 1), bytes_per_host_pair))
+        per_block = layout.batch.block_size // layout.block_size
+        self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs], 1), bytes_per_host_pair, per_block))
 
     def resolve(self) -> int:
         """Add the device-side counts in (one sync); returns the host bytes they read."""
@@ -236,11 +272,11 @@ class SparseStats:
                 counts[i][0] += pairs
             self._attended.clear()
         total = 0
-        for counts, per_pair in self._on_device:
+        for counts, per_pair, per_block in self._on_device:
             for i, (kept, host_pairs) in enumerate(counts.tolist()):
-                self.decode[i][0] += kept
-                self.host_bytes[i] += host_pairs * per_pair
-                total += host_pairs * per_pair
+                self.decode[i][0] += kept if per_block == 1 else kept / per_block
+                self.host_bytes[i] += host_pairs * (per_pair // per_block)
+                total += host_pairs * (per_pair // per_block)
         self._on_device.clear()
         return total
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput,
                                             SparseStats, with_query_blocks)
@@ -61,7 +62,8 @@ class DeviceKV(KVAccess):
         if selection is None:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
         if isinstance(selection, DeviceSelection):
-            return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale)
+            k_pages, v_pages, _ = page_views(selection.layout.block_size, k_cache, v_cache)
+            return self.backend.forward(q, k_pages, v_pages, decode_metadata(self.backend, selection), scale)
         key = group_plan_key(selection)
         if key not in self.group_plans:  # the same for every layer of the step
             plan = GroupPlan(batch, selection)
@@ -75,8 +77,9 @@ class DeviceKV(KVAccess):
 
 @dataclass
 class DeviceSelection:
-    """A decode step's selection made on the device: keep [B, Hk, blocks] over layout's blocks, and the
-    most blocks any KV head keeps (the tables' width, known on the host)."""
+    """A decode step's selection made on the device: keep [B, Hk, columns] over layout's columns (blocks,
+    or pages of layout.block_size tokens), and the most columns any KV head keeps (the tables' width,
+    known on the host)."""
 
     layout: DecodeLayout
     keep: torch.Tensor
@@ -97,19 +100,32 @@ def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv
                     batch.stats.add(batch, None, num_kv_heads)
                 return None
             keep, widest = chosen
+            columns = layout.at(selector.decode_page_size(batch.block_size))
             if batch.stats is not None:
-                batch.stats.add_decode_on_device(layout, keep, bytes_per_host_pair)
-            return DeviceSelection(layout, keep, widest)
+                batch.stats.add_decode_on_device(columns, keep, bytes_per_host_pair)
+            return DeviceSelection(columns, keep, widest)
     return select_blocks(selector, layer, q, num_kv_heads, batch)
 
 
 def decode_metadata(backend: AttentionBackend, selection: DeviceSelection) -> AttentionMetadata:
-    """Per-KV-head decode metadata from a device selection, built on the device: each head's kept blocks in
-    position order (the most recent last, the dropped ones full and before it)."""
-    layout, block_size = selection.layout, selection.layout.batch.block_size
+    """Per-KV-head decode metadata from a device selection, built on the device: each head's kept blocks
+    (pages) in position order (the most recent last, the dropped ones full and before it), over the pools
+    viewed in the selection's columns (`page_views`)."""
+    layout, block_size = selection.layout, selection.layout.block_size
     tables, lengths = head_tables(layout, selection.keep, selection.widest, block_size)
     return backend.build_head_metadata([1] * tables.shape[0], lengths, tables, block_size, tables.device,
                                        max_seq_lens=layout.batch.seq_lens)
+
+
+def page_views(page_size: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               host_kv: HostKV | None = None) -> tuple[torch.Tensor, torch.Tensor, HostKV | None]:
+    """One layer's pools [blocks, block_size, Hk, D] (device, and a second pool: ring or pinned host) viewed
+    as [blocks * P, page_size, Hk, D]: the same memory, page p of block b is page b * P + p."""
+    def view(t: torch.Tensor) -> torch.Tensor:
+        return t if t.shape[1] == page_size else t.view(-1, page_size, *t.shape[2:])
+
+    host = None if host_kv is None else HostKV(view(host_kv.k), view(host_kv.v), host_kv.base)
+    return view(k_cache), view(v_cache), host
 
 
 def head_tables(layout: DecodeLayout, keep: torch.Tensor, width: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,10 +45,13 @@ class QuestSelector(BlockSelector):
     narrows = True
 
     def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
-                 sink_blocks: int = 1, recent_blocks: int = 1):
+                 sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False):
+        """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
+        (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
+        pages; select() (decode rows beside prefill rows) keeps selecting blocks."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
-        self.sink_blocks, self.recent_blocks = sink_blocks, recent_blocks
+        self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
         if bounds.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
 
@@ -73,9 +76,18 @@ class QuestSelector(BlockSelector):
         return masks if sparse else None
 
     def sparse_rows(self, block_size: int, seq_lens: list[int]) -> list[bool]:
-        """Which decode rows drop blocks: long enough, and with more blocks than the budget keeps."""
-        keeps = self.narrowed_blocks(block_size)
-        return [n >= self.min_context and -(-n // block_size) > keeps for n in seq_lens]
+        """Which decode rows drop blocks (pages): long enough, and with more of them between the sink and
+        the recent blocks than the budget keeps."""
+        per_block, budget = block_size // self.decode_page_size(block_size), self._budget(block_size)
+        fixed = self.sink_blocks + self.recent_blocks
+        return [n >= self.min_context and (-(-n // block_size) - fixed) * per_block > budget for n in seq_lens]
+
+    def decode_page_size(self, block_size: int) -> int:
+        return self.bounds.page_size if self.page_select else block_size
+
+    def _budget(self, block_size: int) -> int:
+        """Columns (blocks, or pages) each KV head keeps between the sink and the recent blocks."""
+        return max(1, self.token_budget // self.decode_page_size(block_size))
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return not any(self.sparse_rows(block_size, seq_lens))
@@ -107,46 +119,52 @@ class QuestSelector(BlockSelector):
         """select() for a decode step, on the device: one batched bound, top-k and mask, no host sync."""
         if layer < self.dense_layers:
             return None
-        batch, budget = layout.batch, max(1, self.token_budget // layout.batch.block_size)
+        batch = layout.batch
         sparse = self.sparse_rows(batch.block_size, batch.seq_lens)
         if not any(sparse):
             return None
-        keep = self._top_blocks(layer, q, num_kv_heads, layout, budget)
+        keep = self._top_columns(layer, q, num_kv_heads, layout)
+        columns = layout.at(self.decode_page_size(batch.block_size))
         rows_sparse = torch.tensor(sparse, device=keep.device)[:, None, None]
-        keep = torch.where(rows_sparse, keep, layout.valid[:, None, :])
-        widest = max(self.narrowed_blocks(batch.block_size) if s else batch.num_blocks(i) for i, s in enumerate(sparse))
+        keep = torch.where(rows_sparse, keep, columns.valid[:, None, :])
+        widest = max(self.narrowed_blocks(batch.block_size) if s else -(-n // columns.block_size)
+                     for n, s in zip(batch.seq_lens, sparse))
         return keep, widest
 
     def narrowed_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return all(self.sparse_rows(block_size, seq_lens))
 
     def narrowed_blocks(self, block_size: int) -> int:
-        return max(1, self.token_budget // block_size) + self.sink_blocks + self.recent_blocks
+        per_block = block_size // self.decode_page_size(block_size)
+        return self._budget(block_size) + (self.sink_blocks + self.recent_blocks) * per_block
 
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         _, _, num_kv_heads, head_dim = self.bounds.min.shape
-        if self.bounds.min.is_cuda:  # the kernel reads the bounds in place: scores, masks and tables per block
-            return max_blocks * num_kv_heads * 64
+        if self.bounds.min.is_cuda:  # the kernel reads the bounds in place: scores, masks and tables per column
+            block_size = self.bounds.block_size
+            return max_blocks * block_size // self.decode_page_size(block_size) * num_kv_heads * 64
         return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16  # min, max: gathered + float32
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
         if layer < self.dense_layers:
             return None
-        return self._top_blocks(layer, q, num_kv_heads, layout, max(1, self.token_budget // self.bounds.block_size))
+        return self._top_columns(layer, q, num_kv_heads, layout)
 
-    def _top_blocks(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
-                    budget: int) -> torch.Tensor:
-        """keep [B, Hk, blocks]: per KV head the `budget` best-bounded blocks between the sink and the
-        most recent ones, and those; tensors only."""
-        scores = self.batch_block_scores(layer, q, num_kv_heads, layout)  # [B, Hk, blocks]
-        column = torch.arange(scores.shape[-1], device=scores.device)
+    def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
+        """keep [B, Hk, columns] over layout.at(decode_page_size): per KV head the best-bounded columns
+        (blocks, or pages) within the budget between the sink and the most recent blocks, and all of
+        those blocks' columns; tensors only."""
+        page_size = self.decode_page_size(layout.block_size)
+        columns, per_block = layout.at(page_size), layout.block_size // page_size
+        scores = self.batch_block_scores(layer, q, num_kv_heads, layout, pages=per_block > 1)  # [B, Hk, columns]
+        block = torch.arange(scores.shape[-1], device=scores.device) // per_block
         num_blocks = layout.valid.sum(1, keepdim=True)  # [B, 1]
-        middle = (column >= self.sink_blocks) & (column < num_blocks - self.recent_blocks)  # [B, blocks]
-        budget = min(budget, scores.shape[-1])  # a graph captured with tables narrower than the budget
+        middle = (block >= self.sink_blocks) & (block < num_blocks - self.recent_blocks)  # [B, columns]
+        budget = min(self._budget(layout.block_size), scores.shape[-1])  # a graph's tables narrower than the budget
         top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1).indices
         keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
-        keep |= (~middle & layout.valid)[:, None, :]  # the sink and the most recent blocks
-        return keep & layout.valid[:, None, :]
+        keep |= (~middle & columns.valid)[:, None, :]  # the sink and the most recent blocks
+        return keep & columns.valid[:, None, :]
 
     def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                            pages: bool = False) -> torch.Tensor:
@@ -405,6 +423,9 @@ class PrefillDecodeSelector(BlockSelector):
     def narrowed_blocks(self, block_size) -> int:
         return self.decode.narrowed_blocks(block_size)
 
+    def decode_page_size(self, block_size) -> int:
+        return self.decode.decode_page_size(block_size)
+
     def narrow_scratch_bytes(self, max_blocks) -> int:
         return self.decode.narrow_scratch_bytes(max_blocks)
 
@@ -434,7 +455,7 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                 dtype=cache.data.dtype, keys=cache.data[0])
         cache.hooks.append(bounds)
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
-                                           config.sparse_min_context)
+                                           config.sparse_min_context, page_select=config.quest_page_select)
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,

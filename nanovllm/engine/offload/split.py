@@ -32,7 +32,7 @@ from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, HostKeys, Selection, SelectionInput,
                                             SparseStats)
 from nanovllm.layers.kv_access import (DeviceSelection, GroupPlan, KVAccess, QueryGroups, decode_metadata,
-                                      group_metadata, group_plan_key, select_for_step)
+                                      group_metadata, group_plan_key, page_views, select_for_step)
 
 
 @dataclass
@@ -286,8 +286,9 @@ class SplitKV(_OffloadKV):
             selection = select_for_step(self.selector, layer, q, k_cache.shape[2], self.batch, self._layout,
                                         head_bytes)
         if isinstance(selection, DeviceSelection):  # decode: host blocks read in place, counted on the device
-            return self.backend.forward(q, k_cache, v_cache, decode_metadata(self.backend, selection), scale,
-                                        host_kv=self._host_kv(layer))
+            k_pages, v_pages, host = page_views(selection.layout.block_size, k_cache, v_cache, self._host_kv(layer))
+            return self.backend.forward(q, k_pages, v_pages, decode_metadata(self.backend, selection), scale,
+                                        host_kv=host)
         if selection is not None:
             return self._attend_selected(layer, q, k_cache, v_cache, selection, scale)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
