@@ -572,3 +572,164 @@ def test_sparse_offload_steps_dense_for_the_step_plan_their_host_pieces_once(tmp
     want = dense.generate([prompt], first_token, use_tqdm=False)[0]
     assert got.token_ids == want.token_ids
     assert got.metrics.host_kv_bytes_read == want.metrics.host_kv_bytes_read == sparse.runner.host_pool.stats.h2d_bytes
+
+
+# ---- Quest's page selection (quest_page_select): 16-token pages instead of whole blocks ------------------------
+
+PAGE_BS, PAGE_HK, PAGE_GROUP, PAGE_D = 64, 2, 3, 8  # 4 pages per block, GQA 3:1
+
+
+def brute_force_quest_pages(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_pages: int,
+                            bs: int) -> torch.Tensor:
+    """keys [seq_len, Hk, D] of one sequence, q [Hq, D]: the pages [Hk, blocks * pages per block] each KV head
+    keeps, by the definition: every page of the first and the last block, and the budget's best pages
+    between them by their exact upper bound (the max over the head's query heads of sum_d max(q_d * max_d,
+    q_d * min_d) over the page's keys); all of them when the budget covers those pages."""
+    num_kv_heads, group, per_block = keys.shape[1], q.shape[0] // keys.shape[1], bs // 16
+    n = -(-seq_len // bs)
+    scores = torch.full((num_kv_heads, n * per_block), float("-inf"))
+    for page in range(-(-seq_len // 16)):
+        part = keys[page * 16 : min(page * 16 + 16, seq_len)].float()
+        lo, hi = part.amin(0), part.amax(0)
+        for h in range(q.shape[0]):
+            bound = torch.maximum(q[h].float() * hi[h // group], q[h].float() * lo[h // group]).sum()
+            scores[h // group, page] = max(scores[h // group, page], bound)
+    keep = torch.zeros(num_kv_heads, n * per_block, dtype=torch.bool)
+    keep[:, :per_block] = keep[:, (n - 1) * per_block :] = True
+    for h in range(num_kv_heads):
+        middle = scores[h, per_block : (n - 1) * per_block]
+        if middle.numel() > budget_pages:
+            keep[h, per_block + middle.topk(budget_pages).indices] = True
+        else:
+            keep[h, per_block : (n - 1) * per_block] = True
+    return keep
+
+
+class PageStep:
+    """A decode step of 4 sequences (one too short to drop a page) over a random cache written through the
+    key-bound hook, with some full blocks moved to the host pool (offload) or not: the inputs of Quest's
+    page selection and of a KV-access strategy, and each sequence's keys and values for the reference."""
+
+    SEQ_LENS = [9 * PAGE_BS + 5, 2 * PAGE_BS + 20, 6 * PAGE_BS, 11 * PAGE_BS + 33]
+
+    def __init__(self, seed: int, offload: bool, num_blocks: int = 40, num_host: int = 20):
+        from nanovllm.engine.offload.host_pool import HostKVPool
+
+        g = torch.Generator().manual_seed(seed)
+        self.cache = PagedKVCache(1, num_blocks, PAGE_BS, PAGE_HK, PAGE_D, torch.float32, torch.device("cpu"))
+        self.bounds = BlockKeyBounds(1, num_blocks, num_host, PAGE_BS, PAGE_HK, PAGE_D, torch.device("cpu"),
+                                     page_size=16)
+        self.cache.hooks.append(self.bounds)
+        free = torch.randperm(num_blocks, generator=g).tolist()
+        self.tables = [[free.pop() for _ in range(-(-n // PAGE_BS))] for n in self.SEQ_LENS]
+        self.k, self.v = [], []
+        for table, n in zip(self.tables, self.SEQ_LENS):
+            k, v = torch.randn(n, PAGE_HK, PAGE_D, generator=g), torch.randn(n, PAGE_HK, PAGE_D, generator=g)
+            slots = torch.tensor([table[p // PAGE_BS] * PAGE_BS + p % PAGE_BS for p in range(n)])
+            self.cache.write(0, k[:-1], v[:-1], slots[:-1])  # the last token is the step's
+            self.k.append(k)
+            self.v.append(v)
+        self.slots = [t[(n - 1) // PAGE_BS] * PAGE_BS + (n - 1) % PAGE_BS for t, n in zip(self.tables, self.SEQ_LENS)]
+        self.on_host = [[offload and c % 3 == 1 and c < len(t) - 1 for c in range(len(t))] for t in self.tables]
+        self.pool = HostKVPool(self.cache, num_host, ring_blocks=2) if offload else None
+        host_ids = iter(range(num_host))
+        self.located = [[next(host_ids) if h else b for b, h in zip(t, f)] for t, f in zip(self.tables, self.on_host)]
+        moves = [(b, h) for t, f, loc in zip(self.tables, self.on_host, self.located)
+                 for b, on, h in zip(t, f, loc) if on]
+        if moves:
+            self.pool.copy_out_now(moves)
+            self.cache.moved_to_host(moves)
+        self.q = torch.randn(4, PAGE_HK * PAGE_GROUP, PAGE_D, generator=g)
+
+    def selector(self, budget_pages: int) -> QuestSelector:
+        return QuestSelector(self.bounds, token_budget=16 * budget_pages, dense_layers=0, min_context=0,
+                             page_select=True)
+
+    def want_keep(self, budget_pages: int) -> list[torch.Tensor]:
+        return [brute_force_quest_pages(k, q, n, budget_pages, PAGE_BS) for k, q, n in zip(self.k, self.q, self.SEQ_LENS)]
+
+    def reference(self, keeps: list[torch.Tensor], scale: float) -> torch.Tensor:
+        """Each query over exactly its KV head's kept pages (float64)."""
+        out = torch.zeros(self.q.shape, dtype=torch.float64)
+        for i, (k, v, keep) in enumerate(zip(self.k, self.v, keeps)):
+            for h in range(PAGE_HK):
+                positions = [p for page in keep[h].nonzero().flatten().tolist()
+                             for p in range(page * 16, min(page * 16 + 16, len(k)))]
+                kh, vh = k[positions, h].double(), v[positions, h].double()
+                for qh in range(h * PAGE_GROUP, (h + 1) * PAGE_GROUP):
+                    out[i, qh] = torch.softmax(kh @ self.q[i, qh].double() * scale, 0) @ vh
+        return out
+
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.stack([k[-1] for k in self.k]), torch.stack([v[-1] for v in self.v])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "host-blocks"])
+def test_quest_page_selection_equals_brute_force(seed, offload):
+    """decode_keep (the step's layout) and narrow (a graph's padded tables) keep, per KV head, exactly the
+    definition's pages; the page layout names each page in the pools viewed in pages (host pages past
+    the second-pool base), and reading the kept pages there gives the sequence's own tokens."""
+    from nanovllm.layers.block_selector import DecodeLayout
+    from nanovllm.layers.kv_access import page_views
+    from nanovllm.kernels.reference import HostKV, gather_tokens
+
+    step, budget, base = PageStep(seed, offload), 5, 1000
+    step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))
+    batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
+    selector = step.selector(budget)
+    assert selector.sparse_rows(PAGE_BS, step.SEQ_LENS) == [True, False, True, True]
+    layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=base)
+    keep, widest = selector.decode_keep(0, step.q, PAGE_HK, layout)
+    want = step.want_keep(budget)
+    for i, mask in enumerate(want):
+        assert torch.equal(keep[i, :, : mask.shape[1]], mask) and not keep[i, :, mask.shape[1]:].any()
+    assert widest == selector.narrowed_blocks(PAGE_BS) == budget + 2 * 4
+    assert [int(m.sum(1).max()) for m in want] == [13, 12, 13, 13]
+    width = 16
+    padded = torch.full((4, width), 39, dtype=torch.int64)
+    for i, (t, f) in enumerate(zip(step.located, step.on_host)):
+        padded[i, : len(t)] = torch.tensor([base + b if h else b for b, h in zip(t, f)])
+    graph = DecodeLayout.from_tensors(padded, torch.tensor(step.SEQ_LENS, dtype=torch.int32), PAGE_BS, base)
+    got = selector.narrow(0, step.q, PAGE_HK, graph)
+    assert torch.equal(got[:, :, : keep.shape[-1]], keep) and not got[:, :, keep.shape[-1]:].any()
+    pages = layout.at(16)
+    assert pages.block_size == 16 and pages.ids.shape == (4, layout.ids.shape[1] * 4)
+    assert torch.equal(graph.at(16).ids[:, : pages.ids.shape[1]][pages.valid], pages.ids[pages.valid])
+    second = HostKV(step.pool.host[0, 0], step.pool.host[1, 0], base) if offload else None
+    k_pages, _, host = page_views(16, *step.cache.layer(0), second)
+    for i, n in enumerate(step.SEQ_LENS):
+        tokens = gather_tokens(k_pages, pages.ids[i], n, host and host.k, base)
+        assert torch.equal(tokens, step.k[i])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_quest_page_selection_attends_to_exactly_the_kept_pages(seed, offload):
+    """A decode step through DeviceKV (device-only) or SplitKV (host blocks read in place, in pages): the
+    attention equals a reference over exactly the definition's kept pages; the densities count each page
+    as a quarter of its block, and the host bytes are those of the kept host pages."""
+    from nanovllm.engine.offload.split import SplitKV
+    from nanovllm.layers.attention import get_attention_backend
+    from nanovllm.layers.block_selector import SparseStats
+    from nanovllm.layers.kv_access import DeviceKV
+
+    step, budget, scale = PageStep(seed, offload), 5, 0.3
+    selector, stats, backend = step.selector(budget), SparseStats(4), get_attention_backend("torch")
+    if offload:
+        kv = SplitKV(step.pool, step.cache, backend, [], step.located, step.on_host, [1] * 4, step.SEQ_LENS,
+                     step.slots, selector, stats)
+        kv.begin()
+    else:
+        meta = backend.build_metadata([1] * 4, step.SEQ_LENS, step.tables, step.slots, PAGE_BS, torch.device("cpu"))
+        kv = DeviceKV(step.cache, backend, meta, selector, stats)
+    out = kv.attend(0, step.q, *step.new_kv(), scale)
+    want = step.want_keep(budget)
+    torch.testing.assert_close(out.double(), step.reference(want, scale), atol=1e-5, rtol=1e-5)
+    in_place = stats.resolve()
+    assert stats.decode == [[m.sum().item() / 4, m.shape[1] // 4 * PAGE_HK] for m in want]
+    page_bytes = PAGE_BS * PAGE_HK * PAGE_D * 4 * 2 // PAGE_HK // 4  # K and V of one KV head's page
+    host_pages = [sum(int(m[h, c * 4 + p]) for h in range(PAGE_HK) for c, host in enumerate(f) if host for p in range(4))
+                  for m, f in zip(want, step.on_host)]
+    assert stats.host_bytes == [n * page_bytes for n in host_pages] and in_place == sum(host_pages) * page_bytes
+    assert (in_place > 0) == offload

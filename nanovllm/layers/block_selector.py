@@ -112,8 +112,9 @@ class DecodeLayout:
     def at(self, page_size: int) -> DecodeLayout:
         """This layout in pages of page_size tokens (dividing block_size): column c * P + p is page p of block
         c (P = block_size // page_size), named as in a pool viewed [blocks * P, page_size, Hk, D], the same
-        memory (host pages: base + host id * P + p). Tensor operations only (they run inside CUDA graphs);
-        made once per layout and page size."""
+        memory (host pages: base + host id * P + p). Every page of a sequence's blocks is valid, those past
+        its keys too (a kernel reads no key past seq_lens; the last block counts whole, as with blocks).
+        Tensor operations only (they run inside CUDA graphs); made once per layout and page size."""
         if page_size == self.block_size:
             return self
         if page_size not in self._paged:
@@ -124,15 +125,13 @@ class DecodeLayout:
         per_block = self.block_size // page_size
         step = torch.arange(per_block, device=self.ids.device)
         spread = lambda t: (t[..., None] * per_block + step).flatten(1)  # noqa: E731
-        columns = torch.arange(self.ids.shape[1] * per_block, device=self.ids.device)
-        valid = columns[None, :] < (-(-self.seq_lens // page_size))[:, None]
-        blocks = torch.where(valid, spread(self.blocks), -1)
+        repeat = lambda t: t.repeat_interleave(per_block, 1)  # noqa: E731
+        valid = repeat(self.valid)
         ids = spread(self.ids)
         if self.base is not None:  # host entries: base + host page
-            host = (self.ids >= self.base).repeat_interleave(per_block, 1)
-            ids = torch.where(host, self.base + spread(self.ids - self.base), ids)
-        on_host = self.on_host.repeat_interleave(per_block, 1) & valid
-        return DecodeLayout(self.batch, blocks, ids, on_host, valid, self.seq_lens, page_size, self.base)
+            ids = torch.where(repeat(self.ids >= self.base), self.base + spread(self.ids - self.base), ids)
+        return DecodeLayout(self.batch, torch.where(valid, spread(self.blocks), -1), ids, repeat(self.on_host), valid,
+                            self.seq_lens, page_size, self.base)
 
     @classmethod
     def from_tensors(cls, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,

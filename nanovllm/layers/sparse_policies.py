@@ -127,8 +127,9 @@ class QuestSelector(BlockSelector):
         columns = layout.at(self.decode_page_size(batch.block_size))
         rows_sparse = torch.tensor(sparse, device=keep.device)[:, None, None]
         keep = torch.where(rows_sparse, keep, columns.valid[:, None, :])
-        widest = max(self.narrowed_blocks(batch.block_size) if s else -(-n // columns.block_size)
-                     for n, s in zip(batch.seq_lens, sparse))
+        per_block = batch.block_size // columns.block_size
+        widest = max(self.narrowed_blocks(batch.block_size) if s else batch.num_blocks(i) * per_block
+                     for i, s in enumerate(sparse))
         return keep, widest
 
     def narrowed_decode(self, block_size: int, seq_lens: list[int]) -> bool:
