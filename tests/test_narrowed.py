@@ -105,8 +105,8 @@ def assert_same_outputs(got, want, atol: float) -> None:
 
 
 def quest_engine(path, narrowed: bool, **options) -> LLM:
-    llm = LLM(str(path), kvcache_block_size=BS, device="cpu", sparse_policy="quest", sparse_min_context=0,
-              max_num_batched_tokens=64, **options)
+    llm = LLM(str(path), **{**dict(kvcache_block_size=BS, device="cpu", sparse_policy="quest", sparse_min_context=0,
+                                   max_num_batched_tokens=64), **options})
     if narrowed:  # what a CUDA worker's limits say; without graphs the narrowed access runs eagerly
         llm.runner.planner.limits = replace(llm.runner.planner.limits, narrowed_buckets=[1, 2, 4, 8])
     return llm
@@ -140,6 +140,27 @@ def test_narrowed_steps_equal_the_eager_device_selection(tiny_llama, offload, de
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload-mirrored-layer"])
+def test_narrowed_page_steps_equal_the_eager_page_selection(tiny_llama, offload):
+    """quest_page_select with 32-token blocks (2 pages each) and a 3-page budget: the narrowed steps (page
+    tables over the pools viewed in pages, host pages read in place) give the eager page selection's
+    tokens, logprobs, decode densities (3.5 blocks per sparse head, not a block selection's 3) and host bytes."""
+    options = dict(quest_token_budget=3 * 16, quest_dense_layers=1, quest_page_select=True, kvcache_block_size=2 * BS,
+                   **memory_options(offload))
+    want = quest_engine(tiny_llama, False, **options).generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm = quest_engine(tiny_llama, True, **options)
+    seen = count_narrowed_steps(llm)
+    got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert seen and 2 in seen and 1 in seen and llm.runner.worker.narrowed.columns_per_block == 2
+    assert_same_outputs(got, want, 1e-5)
+    blocks = quest_engine(tiny_llama, False, **{**options, "quest_page_select": False}).generate(
+        PROMPTS, PARAMS, use_tqdm=False)
+    assert all(g.metrics.decode_density > b.metrics.decode_density for g, b in zip(got, blocks))
+    if offload:
+        assert sum(o.metrics.host_kv_bytes_read for o in got) == llm.runner.host_pool.stats.h2d_bytes > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
     """The narrowed graphs bake in the selector and its budget: another budget must not replay them."""
     llm = quest_engine(tiny_llama, True, quest_token_budget=2 * BS, num_gpu_blocks=64)
@@ -153,6 +174,9 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
     selector.token_budget = 4 * BS
     assert not narrowed.captured(selector, 1, Graphs)
     assert not narrowed.captured(QuestSelector(selector.bounds, 2 * BS, 0, 0), 1, Graphs)
+    selector.token_budget = 2 * BS
+    selector.page_select = True  # 16-token blocks: its pages are the blocks, the same narrowing
+    assert narrowed.captured(selector, 1, Graphs)
 
 
 @pytest.mark.cuda

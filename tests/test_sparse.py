@@ -30,6 +30,7 @@ BS = 16
     ("xattn_local_blocks", 1.5, "xattn_local_blocks must be an integer >= 0"),
     ("quest_token_budget", 0, "quest_token_budget must be a positive integer"),
     ("quest_dense_layers", -1, "quest_dense_layers must be an integer >= 0"),
+    ("quest_page_select", 1, "quest_page_select must be a bool"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
 ])
 def test_bad_sparse_options_name_the_limit(tiny_llama, option, value, message):
@@ -179,9 +180,10 @@ def assert_equals_full_attention(llm_for, tiny_llama, offload: bool, density: st
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
-def test_quest_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, offload, device):
-    assert_equals_full_attention(lambda **m: quest_llm(tiny_llama, quest_token_budget=4096, **m), tiny_llama, offload,
-                                 "decode_density", device)
+@pytest.mark.parametrize("pages", [{}, dict(quest_page_select=True, kvcache_block_size=4 * BS)], ids=["blocks", "pages"])
+def test_quest_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, offload, device, pages):
+    assert_equals_full_attention(lambda **m: quest_llm(tiny_llama, quest_token_budget=4096, **pages, **m), tiny_llama,
+                                 offload, "decode_density", device)
 
 
 def test_quest_decode_density_matches_an_independent_count(tiny_llama):
@@ -201,6 +203,24 @@ def test_quest_decode_density_matches_an_independent_count(tiny_llama):
     assert out.metrics.decode_density < 1.0
     assert out.metrics.prefill_density == 1.0
     assert out.metrics.host_kv_bytes_read == 0
+
+
+def test_quest_page_select_decode_density_matches_an_independent_count(tiny_llama):
+    """quest_page_select, 64-token blocks (4 pages), a budget of 3 pages: each decode step's sparse layer
+    reads per KV head the sink and the most recent block's 4 pages each and its 3 best pages (11 pages,
+    2.75 blocks) where more than 3 pages lie between those blocks, the dense layer all n blocks."""
+    prompt, new_tokens, bs = list(range(5, 205)), 12, 4 * BS
+    llm = quest_llm(tiny_llama, num_gpu_blocks=16, kvcache_block_size=bs, quest_token_budget=3 * 16,
+                    quest_dense_layers=1, quest_page_select=True)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                       use_tqdm=False)[0]
+    layers, heads = 2, 2
+    read = present = 0
+    for step in range(1, new_tokens):  # the first token comes from the prefill
+        n = -(-(len(prompt) + step) // bs)
+        present += layers * heads * n
+        read += heads * n + heads * ((4 + 4 + 3) / 4 if (n - 2) * 4 > 3 else n)
+    assert out.metrics.decode_density == pytest.approx(read / present) and out.metrics.decode_density < 1.0
 
 
 def test_quest_offload_reports_the_host_bytes_it_copies(tiny_llama):
