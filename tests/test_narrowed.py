@@ -182,12 +182,14 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_narrowed_decode_graphs_equal_eager_quest_on_cuda(tiny_llama, offload):
+@pytest.mark.parametrize("pages", [dict(kvcache_block_size=BS, quest_token_budget=2 * BS),
+                                   dict(kvcache_block_size=2 * BS, quest_token_budget=3 * 16, quest_page_select=True)],
+                         ids=["blocks", "pages"])
+def test_narrowed_decode_graphs_equal_eager_quest_on_cuda(tiny_llama, offload, pages):
     """The narrowed steps replayed from CUDA graphs (fp32) equal an eager engine's per-layer selection."""
     memory = memory_options(offload)
-    options = dict(kvcache_block_size=BS, device="cuda", dtype="float32", sparse_policy="quest",
-                   sparse_min_context=0, quest_token_budget=2 * BS, quest_dense_layers=1, max_num_batched_tokens=64,
-                   **memory)
+    options = dict(device="cuda", dtype="float32", sparse_policy="quest", sparse_min_context=0, quest_dense_layers=1,
+                   max_num_batched_tokens=64, **pages, **memory)
     want = LLM(str(tiny_llama), enforce_eager=True, **options).generate(PROMPTS, PARAMS, use_tqdm=False)
     llm = LLM(str(tiny_llama), **options)
     got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
