@@ -119,16 +119,19 @@ def prefill_requests(llm: LLM, prompts: list[list[int]], decode_steps: int) -> l
     return ids
 
 
-def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None) -> dict:
-    """ms per step with dense attention and with Quest at each budget, on the running requests."""
+def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pages: bool = False) -> dict:
+    """ms per step with dense attention and with Quest at each budget (and with its 16-token page selection
+    when `pages`), on the running requests."""
     selector = llm.runner.worker.selector
     out = {}
-    for name, budget in [("dense", None)] + [(f"quest_{b}", b) for b in budgets]:
+    peers = [("dense", None, False)] + [(f"quest_{b}", b, False) for b in budgets]
+    peers += [(f"quest_pages_{b}", b, True) for b in budgets] if pages else []
+    for name, budget, page_select in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
             llm.runner.staged_decode = False  # offload: the eager split path, at the PCIe floor
         else:
-            selector.token_budget = budget
+            selector.token_budget, selector.page_select = budget, page_select
             llm.runner.set_block_selector(selector)
             llm.runner.recapture_decode_graphs()  # the narrowed decode graphs of this budget
         llm.step()  # untimed: compiles what this selection needs
@@ -149,7 +152,8 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None) ->
     return out
 
 
-def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, offload: bool, h2d: float | None) -> list:
+def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, offload: bool, h2d: float | None,
+                 pages: bool = False) -> list:
     probe = LLM(config, num_gpu_blocks=1, load_format="dummy", enforce_eager=True)
     max_len, vocab = probe.config.max_model_len, probe.config.hf_config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
@@ -172,7 +176,7 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     for batch, context in parsed:
         ids = prefill_requests(llm, random_prompts(vocab, batch, context, context + batch), steps)
         log(f"{'offload' if offload else 'GPU-only'} decode {batch}x{context}:")
-        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d)))
+        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, pages)))
         for request_id in ids:
             llm.abort_request(request_id)
     llm = None
@@ -225,6 +229,7 @@ def main() -> None:
     ap.add_argument("--gpu-only-cases", nargs="+", default=["1x131072", "4x131072"])
     ap.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096])
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--pages", action="store_true", help="decode peers with Quest's page selection too")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-gpu-only", action="store_true")
@@ -242,10 +247,10 @@ def main() -> None:
         log(f"pinned host->device bandwidth: {h2d / 1e9:.1f} GB/s")
         results["h2d_bandwidth_gbs"] = h2d / 1e9
         results["offload_decode"] = decode_cases(args.config, args.decode_cases, args.budgets, args.decode_steps,
-                                                 True, h2d)
+                                                 True, h2d, args.pages)
     if not args.skip_gpu_only:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
-                                                  False, None)
+                                                  False, None, args.pages)
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
     save_results("sparse", results)
