@@ -253,6 +253,14 @@ class SparseStats:
         # ([B, 2] kept (head, column) pairs, those on the host; bytes per host (head, block), columns per block)
         self._on_device: list[tuple[torch.Tensor, int, int]] = []
         self._attended: list[tuple[list, int, torch.Tensor]] = []  # (prefill or decode, sequence, pairs on the device)
+        self._parts: list[tuple[list[int], SparseStats]] = []  # (the step's sequences, their counts) of sub-batches
+
+    def part(self, rows: list[int]) -> SparseStats:
+        """The counts of a sub-batch of the step (its sequences `rows`, in order; a part of a mixed step
+        attended on its own), added into these by resolve()."""
+        counts = SparseStats(len(rows))
+        self._parts.append((rows, counts))
+        return counts
 
     def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int) -> None:
         """Count a device-side decode selection without a sync (added up by resolve()). keep is over
@@ -265,12 +273,14 @@ class SparseStats:
         self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs], 1), bytes_per_host_pair, per_block))
 
     def resolve(self) -> int:
-        """Add the device-side counts in (one sync); returns the host bytes they read."""
+        """Add the device-side counts in (one sync, and one per part) and the parts' counts; returns the host
+        bytes they read in place."""
+        total = sum(self._add_part(rows, counts) for rows, counts in self._parts)
+        self._parts.clear()
         if self._attended:
             for (counts, i, _), pairs in zip(self._attended, torch.stack([a for *_, a in self._attended]).tolist()):
                 counts[i][0] += pairs
             self._attended.clear()
-        total = 0
         for counts, per_pair, per_block in self._on_device:
             for i, (kept, host_pairs) in enumerate(counts.tolist()):
                 self.decode[i][0] += kept if per_block == 1 else kept / per_block
@@ -278,6 +288,16 @@ class SparseStats:
                 total += host_pairs * (per_pair // per_block)
         self._on_device.clear()
         return total
+
+    def _add_part(self, rows: list[int], counts: SparseStats) -> int:
+        """A part's counts added to its sequences' (resolved first); returns the host bytes it read in place."""
+        in_place = counts.resolve()
+        for i, row in enumerate(rows):
+            for mine, theirs in ((self.prefill, counts.prefill), (self.decode, counts.decode)):
+                mine[row][0] += theirs[i][0]
+                mine[row][1] += theirs[i][1]
+            self.host_bytes[row] += counts.host_bytes[i]
+        return in_place
 
     def add(self, batch: SelectionInput, selection: Selection | None, num_kv_heads: int) -> None:
         for i in range(len(batch.seq_lens)):
