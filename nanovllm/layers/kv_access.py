@@ -9,10 +9,11 @@ asks the step's block selector which blocks each KV head attends to.
 """
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,17 @@ class DeviceKV(KVAccess):
         self.selector, self.stats, self.prefill_ends = selector or DenseSelector(), stats, prefill_ends
         self.layout: DecodeLayout | None = None
         self.group_plans: dict[tuple[int | None, ...], tuple[GroupPlan, torch.Tensor]] = {}  # with their pool ids
+        self.mixed = MixedRows(meta.query_lens, cache.data.device, self._part) \
+            if MixedRows.wanted(self.selector, meta.query_lens, meta.block_size) else None
+
+    def _part(self, seqs: list[int]) -> DeviceKV:
+        """The step's sequences seqs as a step of their own (their K/V stored by this one), counted in stats."""
+        m, pick = self.meta, lambda values: [values[i] for i in seqs]  # noqa: E731
+        meta = self.backend.build_metadata(pick(m.query_lens), pick(m.seq_lens), pick(m.block_tables), [],
+                                           m.block_size, self.cache.data.device)
+        return DeviceKV(self.cache, self.backend, meta, self.selector,
+                        None if self.stats is None else self.stats.part(seqs),
+                        None if self.prefill_ends is None else pick(self.prefill_ends))
 
     def _layout(self, batch: SelectionInput) -> DecodeLayout:
         if self.layout is None:
@@ -52,6 +64,12 @@ class DeviceKV(KVAccess):
 
     def attend(self, layer, q, k, v, scale):
         self.cache.write(layer, k, v, self.meta.slot_mapping)
+        return self.attend_stored(layer, q, scale)
+
+    def attend_stored(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """attend() once the layer's new K/V are stored."""
+        if self.mixed is not None:
+            return self.mixed.attend(layer, q, scale)
         k_cache, v_cache = self.cache.layer(layer)
         if self.selector.dense:
             return self.backend.forward(q, k_cache, v_cache, self.meta, scale)
@@ -73,6 +91,39 @@ class DeviceKV(KVAccess):
         meta = group_metadata(self.backend, plan.groups(selection), ids, self.meta.block_size, q.device,
                               shared=plan.shared_metadata)
         return self.backend.forward(q, k_cache, v_cache, meta, scale)
+
+
+class StoredKV(Protocol):
+    """A strategy's attention over K/V already stored: one part of a mixed step (MixedRows)."""
+
+    def attend_stored(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+class MixedRows:
+    """A mixed step (decode rows beside prefill rows) under a selector whose decode rows select pages
+    (decode_page_size below the KV block): two parts, each attended as a step of its own, the decode rows
+    as a decode-only step does (page tables over the pools viewed in pages, host pages read in place) and
+    the prefill rows as before (blocks); each part's output is copied back to its query rows (tensor
+    operations, no host sync). part(seqs): the strategy for those of the step's sequences."""
+
+    def __init__(self, query_lens: list[int], device: torch.device, part: Callable[[list[int]], StoredKV]):
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        parts = [[i for i, n in enumerate(query_lens) if n == 1], [i for i, n in enumerate(query_lens) if n > 1]]
+        self.rows = [torch.tensor([r for i in seqs for r in range(starts[i], starts[i + 1])],
+                                  dtype=torch.int64).to(device, non_blocking=True) for seqs in parts]
+        self.parts = [part(seqs) for seqs in parts]
+
+    @staticmethod
+    def wanted(selector: BlockSelector, query_lens: list[int], block_size: int) -> bool:
+        """A mixed step whose decode rows the selector would read in pages."""
+        return selector.decode_page_size(block_size) < block_size and 1 in query_lens and max(query_lens) > 1
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        outs = [kv.attend_stored(layer, q.index_select(0, rows), scale) for kv, rows in zip(self.parts, self.rows)]
+        out = outs[0].new_empty(q.shape)
+        for rows, part in zip(self.rows, outs):
+            out.index_copy_(0, rows, part)
+        return out
 
 
 @dataclass
