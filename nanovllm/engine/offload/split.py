@@ -31,8 +31,8 @@ from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, HostKeys, Selection, SelectionInput,
                                             SparseStats)
-from nanovllm.layers.kv_access import (DeviceSelection, GroupPlan, KVAccess, QueryGroups, decode_metadata,
-                                      group_metadata, group_plan_key, page_views, select_for_step)
+from nanovllm.layers.kv_access import (DeviceSelection, GroupPlan, KVAccess, MixedRows, QueryGroups,
+                                      decode_metadata, group_metadata, group_plan_key, page_views, select_for_step)
 
 
 @dataclass
@@ -216,13 +216,17 @@ class SplitKV(_OffloadKV):
 
     def __init__(self, pool, cache, backend, offloads, block_tables: list[list[int]], on_host: list[list[bool]],
                  query_lens: list[int], seq_lens: list[int], slots: list[int], selector: BlockSelector,
-                 stats: SparseStats | None = None, prefill_ends: list[int] | None = None):
+                 stats: SparseStats | None = None, prefill_ends: list[int] | None = None, part_of: SplitKV | None = None):
+        """part_of: the mixed step this is a part of (MixedRows): its copy events are shared, nothing is
+        prefetched (a layer reads the host blocks it selects, or all of them, when it attends)."""
         super().__init__(pool, cache, backend, offloads)
         bs = pool.block_size
         self.block_tables, self.on_host, self.selector, self.stats = block_tables, on_host, selector, stats
         # per sequence, (column, host id) of each of its host blocks
         self.host_columns = [[(c, b) for c, (b, h) in enumerate(zip(t, f)) if h] for t, f in zip(block_tables, on_host)]
-        self.step_dense = selector.dense or selector.dense_for_step(bs, query_lens, seq_lens)
+        self.step_dense = part_of is None and (selector.dense or selector.dense_for_step(bs, query_lens, seq_lens))
+        if part_of is not None:
+            self.d2h_done, self.copied, self.slot_free = part_of.d2h_done, part_of.copied, part_of.slot_free
         self.batch = SelectionInput(query_lens, seq_lens, bs, block_tables, on_host, stats, host_keys=HostKeys(),
                                     prefill_ends=prefill_ends,
                                     **({} if self.step_dense else self._selector_tables(pool.device)))
@@ -241,6 +245,16 @@ class SplitKV(_OffloadKV):
         self.table_ids = [torch.tensor(t, dtype=torch.int64) for t in block_tables]
         self.host_flags = [torch.tensor(f, dtype=torch.bool) for f in on_host]
         self.split_groups: dict[tuple[int | None, ...], SplitGroups] = {}  # the same for every layer of the step
+        self.mixed = MixedRows(query_lens, pool.device, self._part) \
+            if not self.step_dense and MixedRows.wanted(selector, query_lens, bs) else None
+
+    def _part(self, seqs: list[int]) -> SplitKV:
+        """The step's sequences seqs as a step of their own (their K/V stored by this one), counted in stats."""
+        pick = lambda values: [values[i] for i in seqs]  # noqa: E731
+        return SplitKV(self.pool, self.cache, self.backend, [], pick(self.block_tables), pick(self.on_host),
+                       pick(self.batch.query_lens), pick(self.batch.seq_lens), [], self.selector,
+                       None if self.stats is None else self.stats.part(seqs),
+                       None if self.batch.prefill_ends is None else pick(self.batch.prefill_ends), part_of=self)
 
     def _selector_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
         """SelectionInput's device_tables (host blocks as 0) and host_columns, on the device once per step:
@@ -275,6 +289,12 @@ class SplitKV(_OffloadKV):
 
     def attend(self, layer, q, k, v, scale):
         self._store(layer, k, v, self.meta.slot_mapping)
+        return self.attend_stored(layer, q, scale)
+
+    def attend_stored(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """attend() once the layer's new K/V are stored (and the layer's device->host copies waited for)."""
+        if self.mixed is not None:
+            return self.mixed.attend(layer, q, scale)
         k_cache, v_cache = self.cache.layer(layer)
         head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
         self.batch.host_keys.clear()  # the keys a selector reads are this layer's
