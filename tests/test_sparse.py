@@ -753,3 +753,140 @@ def test_quest_page_selection_attends_to_exactly_the_kept_pages(seed, offload):
                   for m, f in zip(want, step.on_host)]
     assert stats.host_bytes == [n * page_bytes for n in host_pages] and in_place == sum(host_pages) * page_bytes
     assert (in_place > 0) == offload
+
+
+def page_step_kv(step: PageStep, selector: QuestSelector, stats, offload: bool, query_lens: list[int],
+                 seq_lens: list[int], tables: list[list[int]], located: list[list[int]], on_host: list[list[bool]],
+                 slots: list[int]):
+    """The step's KV access: SplitKV over located/on_host (offload), else DeviceKV over tables."""
+    from nanovllm.engine.offload.split import SplitKV
+    from nanovllm.layers.attention import get_attention_backend
+    from nanovllm.layers.kv_access import DeviceKV
+
+    backend = get_attention_backend("torch")
+    if offload:
+        kv = SplitKV(step.pool, step.cache, backend, [], located, on_host, query_lens, seq_lens, slots, selector, stats)
+        kv.begin()
+        return kv
+    meta = backend.build_metadata(query_lens, seq_lens, tables, slots, PAGE_BS, torch.device("cpu"))
+    return DeviceKV(step.cache, backend, meta, selector, stats)
+
+
+class PrefillBeside:
+    """A prefill chunk to put beside a PageStep's decode rows: 40 new tokens after 118 cached ones, in 3
+    blocks the decode rows do not use (the first moved to host block 19 with offload)."""
+
+    SEQ_LEN, NEW = 2 * PAGE_BS + 30, 40
+
+    def __init__(self, step: PageStep, seed: int, offload: bool):
+        g = torch.Generator().manual_seed(seed + 100)
+        used = {b for t in step.tables for b in t}
+        self.table = [b for b in range(40) if b not in used][:3]
+        n, cached = self.SEQ_LEN, self.SEQ_LEN - self.NEW
+        self.k, self.v = torch.randn(n, PAGE_HK, PAGE_D, generator=g), torch.randn(n, PAGE_HK, PAGE_D, generator=g)
+        slots = [self.table[p // PAGE_BS] * PAGE_BS + p % PAGE_BS for p in range(n)]
+        step.cache.write(0, self.k[:cached], self.v[:cached], torch.tensor(slots[:cached]))
+        self.slots = slots[cached:]
+        self.on_host = [offload, False, False]
+        self.located = [19 if offload else self.table[0]] + self.table[1:]
+        if offload:
+            step.pool.copy_out_now([(self.table[0], 19)])
+            step.cache.moved_to_host([(self.table[0], 19)])
+        self.q = torch.randn(self.NEW, PAGE_HK * PAGE_GROUP, PAGE_D, generator=g)
+
+    def reference(self, scale: float) -> torch.Tensor:
+        """Causal attention of the chunk's queries over every key before them (float64)."""
+        out = torch.zeros(self.q.shape, dtype=torch.float64)
+        for j in range(self.NEW):
+            end = self.SEQ_LEN - self.NEW + j + 1
+            for qh in range(PAGE_HK * PAGE_GROUP):
+                h = qh // PAGE_GROUP
+                k, v = self.k[:end, h].double(), self.v[:end, h].double()
+                out[j, qh] = torch.softmax(k @ self.q[j, qh].double() * scale, 0) @ v
+        return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_mixed_step_decode_rows_select_pages_as_a_decode_step_does(seed, offload):
+    """PageStep's 4 decode rows with a prefill chunk between them (sequence 2 of 5) through DeviceKV or SplitKV:
+    each decode row's output equals its output in the decode-only step, and a float64 reference over exactly
+    the definition's kept pages; the chunk's rows equal causal attention over their keys. The densities count
+    the decode rows' pages (a quarter of a block each) and the chunk's block pairs, the host bytes the decode
+    rows' kept host pages (read in place) and the chunk's whole host block (copied)."""
+    from nanovllm.layers.block_selector import SparseStats, visible_block_pairs
+
+    budget, scale = 5, 0.3
+    alone = PageStep(seed, offload)
+    lens = alone.SEQ_LENS
+    kv = page_step_kv(alone, alone.selector(budget), None, offload, [1] * 4, lens, alone.tables, alone.located,
+                      alone.on_host, alone.slots)
+    decode_only = kv.attend(0, alone.q, *alone.new_kv(), scale)
+
+    step = PageStep(seed, offload)
+    chunk = PrefillBeside(step, seed, offload)
+    around = lambda decode, prefill: decode[:2] + [prefill] + decode[2:]  # noqa: E731
+    slots = step.slots[:2] + chunk.slots + step.slots[2:]
+    stats = SparseStats(5)
+    kv = page_step_kv(step, step.selector(budget), stats, offload, around([1] * 4, chunk.NEW), around(lens, chunk.SEQ_LEN),
+                      around(step.tables, chunk.table), around(step.located, chunk.located),
+                      around(step.on_host, chunk.on_host), slots)
+    assert kv.mixed is not None
+    new_k, new_v = step.new_kv()
+    cached = chunk.SEQ_LEN - chunk.NEW
+    cat = lambda d, p: torch.cat([d[:2], p, d[2:]])  # noqa: E731
+    out = kv.attend(0, cat(step.q, chunk.q), cat(new_k, chunk.k[cached:]), cat(new_v, chunk.v[cached:]), scale)
+    decode_rows = [0, 1, 2 + chunk.NEW, 3 + chunk.NEW]
+    assert torch.equal(out[decode_rows], decode_only)
+    want = step.want_keep(budget)
+    torch.testing.assert_close(out[decode_rows].double(), step.reference(want, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[2 : 2 + chunk.NEW].double(), chunk.reference(scale), atol=1e-5, rtol=1e-5)
+
+    in_place = stats.resolve()
+    pairs = visible_block_pairs(cached // PAGE_BS, 3) * PAGE_HK
+    assert stats.decode == around([[m.sum().item() / 4, m.shape[1] // 4 * PAGE_HK] for m in want], [0, 0])
+    assert stats.prefill == around([[0, 0]] * 4, [pairs, pairs])
+    page_bytes = PAGE_BS * PAGE_HK * PAGE_D * 4 * 2 // PAGE_HK // 4  # K and V of one KV head's page
+    host_pages = [sum(int(m[h, c * 4 + p]) for h in range(PAGE_HK) for c, host in enumerate(f) if host for p in range(4))
+                  for m, f in zip(want, step.on_host)]
+    block_bytes = PAGE_BS * PAGE_HK * PAGE_D * 4 * 2 if offload else 0
+    assert stats.host_bytes == around([n * page_bytes for n in host_pages], block_bytes)
+    assert in_place == sum(host_pages) * page_bytes and (in_place > 0) == offload
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_llama, offload, monkeypatch):
+    """quest_page_select, 64-token blocks (4 pages), a 3-page budget, sparse_min_context=0: a request decoding
+    alone and beside a 400-token prompt prefilled in 64-token chunks (mixed steps, seen through MixedRows; with
+    offload through SplitKV, blocks moved to the host) gives the same tokens and logprobs (1e-5) and the same
+    decode density, an independent page count (as in the decode-only test above)."""
+    from nanovllm.layers.kv_access import MixedRows
+
+    seen = []
+    attend = MixedRows.attend
+    monkeypatch.setattr(MixedRows, "attend", lambda self, *a: seen.append(type(self.parts[0]).__name__) or
+                        attend(self, *a))
+    prompt, new_tokens, bs = list(range(5, 205)), 12, 4 * BS
+    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else {}
+    options = dict(kvcache_block_size=bs, quest_token_budget=3 * 16, quest_dense_layers=1, quest_page_select=True,
+                   **memory)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
+    alone = quest_llm(tiny_llama, **options).generate([prompt], params, use_tqdm=False)[0]
+    assert not seen
+    llm = quest_llm(tiny_llama, **options)
+    long_prompt = [(7 * i) % 250 + 3 for i in range(400)]
+    beside, other = llm.generate([prompt, long_prompt], [params, SamplingParams(max_tokens=1)], use_tqdm=False)
+    assert len(seen) >= 5 * 2 and ("SplitKV" if offload else "DeviceKV") in seen  # 2 layers per mixed step
+    assert beside.token_ids == alone.token_ids
+    for a, b in zip(beside.outputs[0].logprobs, alone.outputs[0].logprobs):
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-5
+    layers, heads = 2, 2
+    read = present = 0
+    for step in range(1, new_tokens):  # the first token comes from the prefill
+        n = -(-(len(prompt) + step) // bs)
+        present += layers * heads * n
+        read += heads * n + heads * ((4 + 4 + 3) / 4 if (n - 2) * 4 > 3 else n)
+    assert beside.metrics.decode_density == pytest.approx(read / present) == alone.metrics.decode_density
+    if offload:
+        read = beside.metrics.host_kv_bytes_read + other.metrics.host_kv_bytes_read
+        assert read == llm.runner.host_pool.stats.h2d_bytes > 0
