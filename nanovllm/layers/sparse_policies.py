@@ -48,7 +48,8 @@ class QuestSelector(BlockSelector):
                  sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False):
         """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
         (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
-        pages; select() (decode rows beside prefill rows) keeps selecting blocks."""
+        pages; select() keeps selecting blocks (the strategies send a mixed step's decode rows to
+        decode_keep too, `MixedRows`)."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select

@@ -8,7 +8,9 @@ whole blocks that precede every query keeps the causal mask right), and over the
 mask, in ring-slot pieces, each merged into the running float32 (out, LSE) inside the kernels. With a
 dense selector every layer copies the same pieces, prefetched on the copy stream while the compute
 stream attends over the other slot. With a narrower selection, each layer's copies are planned from
-that layer's selection (the union over KV heads), so only selected host blocks cross PCIe.
+that layer's selection (the union over KV heads), so only selected host blocks cross PCIe. A mixed step
+under a selector that selects pages in decode rows runs as two SplitKVs over its decode and its prefill
+rows (`MixedRows`): the decode rows read their selected host pages in place, as in a decode step.
 
 `SinglePassKV`: when the step's whole KV fits one ring slot, the device blocks are gathered into the
 slot beside the host blocks and attention runs once over it with tables in position order: the very
