@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
-import json
 import logging
 import os
 import sys
@@ -29,7 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nanovllm.llm import LLM
@@ -38,13 +37,14 @@ from nanovllm.server import protocol as p
 from nanovllm.server import responses as r
 from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from nanovllm.server.engine_core import EngineProcess, RequestFailed, ThreadCore
-from nanovllm.server.http import APIKeyMiddleware, read_json_body, with_header_timeout
+from nanovllm.server.http import APIKeyMiddleware, EventStream, read_json_body, with_header_timeout
 from nanovllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm.server.preprocess import PreparedRequest, Preprocessor, refusal
 
 log = logging.getLogger("nanovllm.server")
 
 API_KEY_ENV = "NANOVLLM_API_KEY"
+DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,7 @@ class OpenAIServer:
             return error_response(e)
         choices = r.Choices(prepared, chat, self.token_texts)
         if prepared.parsed.stream:
-            return StreamingResponse(self._sse(streams, choices, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return EventStream(self._sse(streams, choices, rid))
         async with _all(streams):
             try:
                 outs = await _until_finished_or_disconnect(streams, request)
@@ -224,26 +223,27 @@ class OpenAIServer:
         except RequestFailed as e:
             raise _stream_error(e) from None
 
-    async def _sse(self, streams: list[RequestStream], choices: r.Choices, rid: str) -> AsyncIterator[str]:
+    async def _sse(self, streams: list[RequestStream], choices: r.Choices, rid: str) -> AsyncIterator[bytes]:
         created, model, chat = r.now(), choices.parsed.model, choices.chat
+        chunk_event = r.ChunkEvents(rid, model, created, chat)
         finals: list[RequestOutput | None] = [None] * len(streams)
         async with _all(streams):
             if chat:
                 for index in range(len(streams)):
-                    yield _event(r.chunk(rid, model, created, True, index, None, None, role=True))
+                    yield r.event(r.chunk(rid, model, created, True, index, None, None, role=True))
             try:
                 async for index, out in _merged(streams):
                     finals[index] = out
                     delta, finish, logprobs, new_tokens = choices.delta(index, out)
                     if delta or finish or logprobs or new_tokens:
-                        yield _event(r.chunk(rid, model, created, chat, index, delta, finish, logprobs))
+                        yield chunk_event(index, delta, finish, logprobs)
             except (RequestFailed, EngineUnavailable) as e:  # as vLLM: an error event, then the end of the stream
-                yield _event(_stream_error(e).body())
-                yield "data: [DONE]\n\n"
+                yield r.event(_stream_error(e).body())
+                yield DONE
                 return
         if choices.parsed.include_usage and all(out is not None for out in finals):
-            yield _event(r.usage_chunk(rid, model, created, chat, choices.usage(finals)))
-        yield "data: [DONE]\n\n"
+            yield r.event(r.usage_chunk(rid, model, created, chat, choices.usage(finals)))
+        yield DONE
 
 
 @contextlib.asynccontextmanager
@@ -280,10 +280,6 @@ def _stream_error(e: Exception) -> p.APIError:
     if isinstance(e, EngineUnavailable):
         return p.APIError(503, str(e), None, e.reason, "server_error")
     return p.APIError(500, str(e), None, "request_failed", "server_error")
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 async def _until_finished_or_disconnect(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:

@@ -5,7 +5,7 @@ The HTTP handlers never touch the engine: they post commands (add, abort) to the
 runs requests without detokenizing them and reports each step's token outputs here, from its thread (or the
 thread reading its pipe); they go to the output thread, which turns them into text
 (engine/detokenizer.OutputText: the same code as offline), checks stop strings (a match ends the request
-in the engine with a "finish" command) and fills the per-request asyncio.Queue with
+in the engine with a "finish" command) and fills each request's RequestStream with
 `loop.call_soon_threadsafe`. So the event loop never blocks on a forward pass and the engine never waits
 for detokenization.
 
@@ -34,7 +34,7 @@ from nanovllm.server.metrics import ServerMetrics
 
 log = logging.getLogger("nanovllm.server")
 
-_ACCEPTED = object()  # first item on a request's queue once add_request succeeded
+_ACCEPTED = object()  # put on a request's stream once the engine accepted it
 
 
 class EngineUnavailable(Exception):
@@ -67,7 +67,7 @@ class EngineCore(Protocol):
 class _Track:
     """Per-request bookkeeping, updated by the thread that reports the engine's events."""
 
-    queue: asyncio.Queue
+    stream: "RequestStream"
     loop: asyncio.AbstractEventLoop
     arrival: float  # time.monotonic()
     token_ids: list[int]
@@ -79,20 +79,25 @@ class _Track:
 
     def put(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.stream.put, item)
         except RuntimeError:  # the event loop is closed: nobody waits for this request any more
             pass
 
 
 @dataclass
 class RequestStream:
-    """The outputs of one request. Use `async with`; leaving early aborts the request and frees its KV."""
+    """The outputs of one request. Use `async with`; leaving early aborts the request and frees its KV.
+
+    It holds only the newest item (each output holds the cumulative text): a consumer that falls behind gets
+    every new token in its next output, one SSE chunk for several steps, as vLLM does."""
 
     request_id: str
     engine: "AsyncEngine"
-    queue: asyncio.Queue
     finished: bool = False
     closed: bool = field(default=False, repr=False)
+    accepted: bool = field(default=False, repr=False)
+    _item: RequestOutput | BaseException | None = field(default=None, repr=False)  # newest, not yet taken
+    _waiter: asyncio.Future | None = field(default=None, repr=False)
 
     async def __aenter__(self) -> "RequestStream":
         return self
@@ -108,17 +113,41 @@ class RequestStream:
             out = await self.next()
             yield out
 
+    def put(self, item: RequestOutput | BaseException | object) -> None:
+        """On the event loop: a new output (replacing one not yet taken, unless that one ends the request),
+        an error, or _ACCEPTED."""
+        if item is _ACCEPTED:
+            self.accepted = True
+        elif self._item is None or (isinstance(self._item, RequestOutput) and not self._item.finished):
+            self._item = item
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
     async def next(self) -> RequestOutput:
-        """The newest output; a slow consumer skips intermediate ones (each holds the cumulative text).
-        Raises RequestFailed or EngineUnavailable if the request failed."""
-        item = await self.queue.get()
-        while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
-            item = self.queue.get_nowait()
+        """The newest output. Raises RequestFailed or EngineUnavailable if the request failed."""
+        while self._item is None:
+            await self._wait()
+        item, self._item = self._item, None
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         self.finished = item.finished
         return item
+
+    async def admitted(self) -> None:
+        """Wait until the engine accepted the request; raises its refusal."""
+        while not self.accepted and self._item is None:
+            await self._wait()
+        if isinstance(self._item, BaseException):
+            self.finished = True
+            raise self._item
 
     def close(self) -> None:
         if self.closed:
@@ -170,21 +199,17 @@ class AsyncEngine(CoreEvents):
         self.pending += 1
         self.metrics.set_pending(self.pending)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, asyncio.Queue())
-        track = _Track(stream.queue, loop, time.monotonic(), token_ids, params)
+        stream = RequestStream(request_id, self)
+        track = _Track(stream, loop, time.monotonic(), token_ids, params)
         try:
             with self._lock:
                 if self.error is None:
                     self._tracks[request_id] = track
             self._post(("add", request_id, token_ids, params))
-            item = await stream.queue.get()
+            await stream.admitted()
         except BaseException:
-            stream.close()  # cancelled while waiting for admission, or the engine is gone
+            stream.close()  # cancelled while waiting for admission, refused, or the engine is gone
             raise
-        if isinstance(item, BaseException):
-            stream.finished = True
-            stream.close()
-            raise item
         return stream
 
     def _release(self, request_id: str, abort: bool) -> None:
@@ -351,10 +376,10 @@ class OutputThread:
         self._handed.append((track, item))
 
     def _hand_over(self) -> None:
-        """One callback per event loop puts every pending item on its request's queue."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        """One callback per event loop puts every pending item on its request's stream."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
         for track, item in self._handed:
-            by_loop.setdefault(track.loop, []).append((track.queue, item))
+            by_loop.setdefault(track.loop, []).append((track.stream, item))
         self._handed = []
         for loop, items in by_loop.items():
             try:
@@ -399,9 +424,9 @@ class OutputThread:
             pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _put_all(items: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 def _with_text(out: RequestOutput, token_ids: list[int], text: str, finish_reason: str | None) -> RequestOutput:

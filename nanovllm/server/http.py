@@ -5,6 +5,7 @@
 - `read_json_body`: a JSON content type (else 415: a browser page may send text/plain cross-origin
   without asking, but not application/json), at most `limit` bytes (else 413), all of it within
   `timeout` seconds (else 408).
+- `EventStream`: a text/event-stream response of byte chunks, sent straight to the ASGI server.
 - `HeaderTimeoutProtocol`: uvicorn's h11 protocol, plus a deadline for a request's line and headers
   (uvicorn has only the keep-alive timeout, so a client sending headers byte by byte held a connection
   forever).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import AsyncIterator
 
 import h11
 from starlette.requests import Request
@@ -76,6 +78,41 @@ async def read_json_body(request: Request, limit: int, timeout: float) -> bytes:
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds the server's limit of {limit} bytes "
                          "(--max-request-body-bytes)", None, "request_too_large")
+
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class EventStream:
+    """An SSE response: each chunk of `chunks` is sent as it comes; a client that goes away cancels the
+    sending task (and so the generator, which aborts its requests). Starlette's StreamingResponse does the
+    same through an anyio task group and a str-to-bytes step per response."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        self.chunks = chunks
+        self.gone = False  # the client disconnected before the stream ended
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        watcher = asyncio.ensure_future(self._cancel_on_disconnect(receive, asyncio.current_task()))
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not self.gone:  # cancelled from elsewhere (the server stops)
+                raise
+            asyncio.current_task().uncancel()
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()
+
+    async def _cancel_on_disconnect(self, receive, sender: asyncio.Task) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not sender.done():
+            self.gone = True
+            sender.cancel()
 
 
 class HeaderTimeoutProtocol(H11Protocol):

@@ -3,6 +3,7 @@
 its engine outputs."""
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -120,6 +121,41 @@ def chunk(rid: str, model: str, created: int, chat: bool, index: int, delta: str
 def usage_chunk(rid: str, model: str, created: int, chat: bool, usage_: dict) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [], "usage": usage_}
+
+
+def event(payload: dict) -> bytes:
+    """One SSE event."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+_TEXT, _LOGPROBS, _FINISH = "\x01", "\x02", "\x03"  # stand-ins, found in the JSON as "\u0001" ...
+
+
+class ChunkEvents:
+    """A stream's chunk events (as `event(chunk(...))`), from a JSON template made once per choice index: only
+    the text, logprobs and finish reason are encoded per chunk (json.dumps of the whole chunk cost more)."""
+
+    def __init__(self, rid: str, model: str, created: int, chat: bool):
+        self.rid, self.model, self.created, self.chat = rid, model, created, chat
+        self._templates: dict[int, list[str]] = {}
+
+    def __call__(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> bytes:
+        head, mid, tail, end = self._templates.get(index) or self._template(index)
+        lps = "null" if logprobs is None else json.dumps(logprobs, ensure_ascii=False)
+        reason = "null" if finish is None else json.dumps(finish)
+        return f"{head}{_encode_str(text)}{mid}{lps}{tail}{reason}{end}".encode()
+
+    def _template(self, index: int) -> list[str]:
+        text = event(chunk(self.rid, self.model, self.created, self.chat, index, _TEXT, _FINISH, _LOGPROBS)).decode()
+        parts = []
+        for stand_in in (_TEXT, _LOGPROBS, _FINISH):
+            part, text = text.split(json.dumps(stand_in), 1)
+            parts.append(part)
+        self._templates[index] = [*parts, text]
+        return self._templates[index]
+
+
+_encode_str = json.encoder.encode_basestring  # a str as JSON (non-ASCII kept), as json.dumps(ensure_ascii=False)
 
 
 class Choices:
