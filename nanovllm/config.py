@@ -43,7 +43,9 @@ class EngineConfig:
     xattn_block_size: int = 128  # XAttention's query/key block in tokens
     xattn_cover: str = "head"  # "head": each query head's own mass covers the threshold, the KV head keeps the
     # union (RULER on the H200: within 1 point of full, "group" 3.5-3.8 below); "group": their summed mass does
-    xattn_dense_last_blocks: int = 0  # XAttention: the prompt's last N query blocks attend to every key block
+    # XAttention: the prompt's last N query blocks (the question, the answer prefix) attend to every key block;
+    # 2 measured on RULER (docs/BENCHMARKS.md, thirteenth session): -1.5 -> +1.2 points at 4K, -1.5 -> -0.3 at 8K
+    xattn_dense_last_blocks: int = 2
     xattn_local_blocks: int = 0  # XAttention: each query block keeps the N key blocks before its own (local window)
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
