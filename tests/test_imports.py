@@ -256,4 +256,3 @@ def test_each_module_imports_first_in_a_fresh_interpreter():
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     imported = [line for line in result.stdout.splitlines() if line.startswith("OK ")]
     assert "OK nanovllm.cli" in imported and "OK nanovllm.models.registry" in imported
-
