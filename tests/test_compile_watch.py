@@ -137,3 +137,27 @@ def test_start_up_mixed_steps_meet_both_decode_variants(block_size, head_dim, nu
         splits.add(tpa.decode_num_splits(len(decode), num_kv_heads, max(decode), block_n, num_sms=132) == 1)
     assert splits == {True, False}
 
+
+
+def test_prefill_ladder_is_the_powers_of_two_below_the_largest_step():
+    from nanovllm.engine.warm_up import prefill_ladder
+
+    assert prefill_ladder(8192, 32768, 10**6) == [64, 128, 256, 512, 1024, 2048, 4096]
+    assert prefill_ladder(8192, 1000, 10**6) == [64, 128, 256, 512]  # no longer than a sequence
+    assert prefill_ladder(8192, 32768, 300) == [64, 128, 256]  # no more than the pool holds
+    assert prefill_ladder(64, 4096, 10**6) == []
+
+
+def test_start_up_steps_run_the_prefill_ladder(tiny_llama, monkeypatch):
+    """compile_step_variants forwards one prefill row of each ladder token count (the GEMM shapes a first
+    request meets), besides its mixed steps."""
+    from nanovllm import LLM
+    from nanovllm.engine import warm_up
+
+    llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=256)
+    steps = []
+    mixed_step = warm_up._mixed_step
+    monkeypatch.setattr(warm_up, "_mixed_step", lambda w, q, s, *a: steps.append((q, s)) or mixed_step(w, q, s, *a))
+    warm_up.compile_step_variants(llm.runner.worker)
+    assert [q for q, s in steps if len(q) == 1] == [[64], [128]]
+    assert all(q == s for q, s in steps if len(q) == 1)

@@ -7,7 +7,9 @@ chosen rows with one split (a mixed step whose decode rows are all short) and wi
 of the splits, and the one-pass sampler; under a sparse policy also the per-KV-head variants of prefill
 and decode that its selections take. Measured on the H200 (kernels/compile_watch.py) before these
 steps: the first batch of 32 requests waited 0.75 s for two of those to compile, and XAttention's first
-sparse prefill 1.6 s for one.
+sparse prefill 1.6 s for one. Then prefill forwards at a ladder of token counts: with CUDA's lazy module
+loading (torch's default) the first forward of a new token count loads the GEMM kernels picked for it
+(a first 1K prompt waited 7-21 ms for them, nothing compiled; docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from nanovllm.sampling_params import SamplingParams
 PREFILL_ROWS = 32
 LONG_ROW = 4096  # keys of the long decode row: 64 KV tiles, several decode splits
 SHORT_ROW = 16  # keys of a short decode row: one tile, so one split when it is the longest
+LADDER_START = 64  # the smallest token count of the start-up prefill ladder (decode graphs cover fewer)
 
 
 def mixed_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -35,16 +38,26 @@ def mixed_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[
     return [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
 
 
+def prefill_ladder(max_batched_tokens: int, max_model_len: int, pool_tokens: int) -> list[int]:
+    """Token counts of the start-up prefill forwards: powers of two from LADDER_START below the largest
+    step the scheduler makes (the forward that sized the KV pool ran that one) and what the pool holds."""
+    top = min(max_batched_tokens, max_model_len, pool_tokens)
+    return [1 << k for k in range(LADDER_START.bit_length() - 1, top.bit_length()) if LADDER_START <= 1 << k < top]
+
+
 @torch.inference_mode()
 def compile_step_variants(worker) -> None:
-    """The start-up mixed steps through the model and one sampled token per row. They write KV into the
-    first blocks of the pool: at start-up no request holds them."""
+    """The start-up mixed steps and the prefill ladder through the model and one sampled token per row. They
+    write KV into the first blocks of the pool: at start-up no request holds them."""
     layouts = mixed_step_layouts(worker.config.max_model_len, worker.num_blocks * worker.block_size)
     for query_lens, seq_lens in layouts:
         logits = _mixed_step(worker, query_lens, seq_lens)
     if not worker.selector.dense:  # a sparse policy's steps attend over per-KV-head tables: other variants
         for query_lens, seq_lens in layouts:
             _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
+    config = worker.config
+    for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
+        _mixed_step(worker, [tokens], [tokens])
     generator = torch.Generator(worker.device).manual_seed(0)  # leaves the engine's own stream untouched
     sample_on_device(logits, [SamplingParams(temperature=1.0)] * logits.shape[0], [None] * logits.shape[0], generator)
 
