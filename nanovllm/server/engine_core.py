@@ -9,6 +9,13 @@ Two ways to run it:
 - `EngineProcess`: in a child process, as vLLM's EngineCore; the default of `nanovllm serve`. The engine's
   Python then never waits for the GIL that the event loop and the detokenizer hold, each step's outputs
   cross a pipe as token deltas, and an engine process that dies is reported like a broken engine.
+
+One engine process can serve several front-end processes (`nanovllm serve --api-server-count N`,
+server/api_servers.py): `SharedCore` starts it with one pair of pipes per front end, and each front end talks
+to it through a `CoreClient` over its own pair. The engine process waits on every front end's commands
+(`_receive_commands`), names front end k's requests "k:<id>" in the engine, and sends each request's events
+back to the front end that sent it (`_FrontEnds`). A front end that goes away has its requests aborted (their
+KV freed); the others go on.
 """
 from __future__ import annotations
 
@@ -20,7 +27,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -209,49 +217,68 @@ class PoolLimits:
         return -(-num_tokens // self.block_size)
 
 
-class EngineProcess:
-    """An LLM built and run in a child process. This side has what the front end reads of an engine:
-    config, tokenizer, tokenize(), check_request() (the same code as LLMEngine's, over the pool's sizes).
-    Options are LLM(...)'s; bad ones raise here as they would there."""
+@dataclass(frozen=True)
+class CoreStart:
+    """What the engine process sends once its engine is built."""
+
+    config: EngineConfig
+    pool: PoolLimits
+    stats: EngineStats
+
+
+Link = tuple[Connection, Connection]  # a front end's (commands it sends, events it receives)
+
+
+def spawn_core(model: str | None, options: dict, log_requests: bool, count: int) -> tuple[BaseProcess, list[Link], CoreStart]:
+    """Start an engine process for `count` front ends and wait until its engine is built: the process, one
+    Link per front end, and what it sent. Raises what LLM(...) raised there."""
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; the child imports afresh
+    ours: list[Link] = []
+    theirs: list[Link] = []
+    for _ in range(count):
+        commands_out, commands_in = context.Pipe(duplex=False)
+        events_out, events_in = context.Pipe(duplex=False)
+        ours.append((commands_in, events_out))
+        theirs.append((commands_out, events_in))
+    process = context.Process(target=_engine_process_main, name="nanovllm-engine-core", args=(
+        model, options, log_requests, logging.getLogger("nanovllm").getEffectiveLevel(), theirs))
+    process.start()
+    for connection in (c for link in theirs for c in link):
+        connection.close()
+    return process, ours, _receive_start(process, ours[0][1])
+
+
+def _receive_start(process: BaseProcess, events: Connection) -> CoreStart:
+    try:
+        kind, payload = events.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"the engine process exited with code {process.exitcode} while starting") from None
+    if kind == "start_failed":
+        process.join()
+        raise payload
+    return payload
+
+
+class CoreClient:
+    """A front end's side of an engine process: its commands out, its requests' events in. It has what the front
+    end reads of an engine: config, tokenizer, tokenize(), check_request() (the same code as LLMEngine's, over
+    the pool's sizes). It does not own the process: an EngineProcess does, or the parent of the front ends."""
 
     tokenize = LLMEngine.tokenize
     check_request = LLMEngine.check_request
 
-    def __init__(self, model: str | None = None, log_requests: bool = False, **options: Any):
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; the child imports afresh
-        commands_out, self._commands_in = context.Pipe(duplex=False)
-        self._events, events_in = context.Pipe(duplex=False)
-        self._process = context.Process(target=_engine_process_main, name="nanovllm-engine-core", args=(
-            model, options, log_requests, logging.getLogger("nanovllm").getEffectiveLevel(), commands_out, events_in))
-        self._process.start()
-        commands_out.close()
-        events_in.close()
+    def __init__(self, link: Link, start: CoreStart):
+        self._commands_in, self._events = link
         self._send_lock = threading.Lock()
         self._stopping = False
         self._reader: threading.Thread | None = None
         self._prompts: dict[str, list[int]] = {}
         self._rebuilt: dict[str, _Rebuilt] = {}
-        info = self._receive_start()
-        self.config: EngineConfig = info["config"]
-        self.block_manager = info["pool"]
-        self._stats: EngineStats = info["stats"]
+        self.config: EngineConfig = start.config
+        self.block_manager = start.pool
+        self._stats: EngineStats = start.stats
         self.tokenizer = load_tokenizer(Path(self.config.model_path))
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    def _receive_start(self) -> dict:
-        try:
-            kind, payload = self._events.recv()
-        except EOFError:
-            self._process.join()
-            raise RuntimeError(f"the engine process exited with code {self._process.exitcode} while starting") \
-                from None
-        if kind == "start_failed":
-            self._process.join()
-            raise payload
-        return payload
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -267,7 +294,8 @@ class EngineProcess:
             self._commands_in.send(command)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Let the engine process finish what it holds, then end it."""
+        """Tell the engine process this front end is done, and wait for its answer. The last front end to
+        stop lets the engine finish what it holds, then end; before that, its requests are aborted."""
         self._stopping = True
         try:
             with self._send_lock:
@@ -275,23 +303,18 @@ class EngineProcess:
         except OSError:  # it is gone already
             pass
         self.join(timeout)
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
 
     def kill(self) -> None:
-        """End the engine process at once, if it still runs (a second signal, or a server that never
-        started): it ignores SIGTERM, and the interpreter's exit would wait for it."""
+        """Stop reporting the engine's end: this front end goes (the engine process is not its own)."""
         self._stopping = True
-        if self._process.is_alive():
-            self._process.kill()
-        self._process.join()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the reader to end (the engine process stopped, or broke)."""
         if self._reader is not None:
             self._reader.join(timeout)
+
+    def _gone(self) -> str:
+        return "the engine process exited unexpectedly"
 
     def _read(self, events: CoreEvents) -> None:
         try:
@@ -304,8 +327,7 @@ class EngineProcess:
         except (EOFError, OSError):
             if self._stopping:
                 return
-            self._process.join(5)
-            events.fatal(RuntimeError(f"the engine process exited unexpectedly (exit code {self._process.exitcode})"))
+            events.fatal(RuntimeError(self._gone()))
 
     def _dispatch(self, events: CoreEvents, event: tuple) -> None:
         kind = event[0]
@@ -352,6 +374,62 @@ class EngineProcess:
         self._rebuilt.pop(request_id, None)
 
 
+
+
+class EngineProcess(CoreClient):
+    """An LLM built and run in a child process, for this process's front end alone. Options are LLM(...)'s;
+    bad ones raise here as they would there."""
+
+    def __init__(self, model: str | None = None, log_requests: bool = False, **options: Any):
+        self._process, links, start = spawn_core(model, options, log_requests, 1)
+        super().__init__(links[0], start)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Let the engine process finish what it holds, then end it."""
+        super().stop(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+    def kill(self) -> None:
+        """End the engine process at once, if it still runs (a second signal, or a server that never
+        started): it ignores SIGTERM, and the interpreter's exit would wait for it."""
+        super().kill()
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join()
+
+    def _gone(self) -> str:
+        self._process.join(5)
+        return f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+
+
+class SharedCore:
+    """An engine process for `count` front-end processes (server/api_servers.py): one Link each, handed over
+    by the caller, which then closes its own copies (`release_links`). The engine process ends once every
+    front end stopped or went away."""
+
+    def __init__(self, model: str | None, count: int, log_requests: bool = False, **options: Any):
+        self.process, self.links, self.start = spawn_core(model, options, log_requests, count)
+
+    def release_links(self) -> None:
+        """Close this process's copies of the front ends' connections (after handing them over)."""
+        for connection in (c for link in self.links for c in link):
+            connection.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine process to end; kill it if it has not after `timeout`."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
 @dataclass
 class _Rebuilt:
     prompt_token_ids: list[int]
@@ -362,31 +440,36 @@ class _Rebuilt:
 
 
 class _PipeEvents:
-    """CoreEvents in the engine process: buffered, sent as one message per loop iteration."""
+    """One front end's CoreEvents in the engine process: buffered, sent as one message per loop iteration. Request
+    ids lose the front end's prefix of `skip` characters on the way. A front end gone quietly drops its events."""
 
-    def __init__(self, connection: Connection):
+    def __init__(self, connection: Connection, skip: int):
         self.connection = connection
+        self.skip = skip
+        self.closed = False
+        self._lock = threading.Lock()  # flush (the engine loop) against close (the thread receiving commands)
         self._buffer: list[tuple] = []
         self._sent: dict[str, tuple[int, int, int]] = {}  # request id -> (tokens, logprobs, host bytes) sent
 
     def accepted(self, request_id: str) -> None:
-        self._buffer.append(("accepted", request_id))
+        self._buffer.append(("accepted", request_id[self.skip:]))
 
     def refused(self, request_id: str, error: Exception) -> None:
-        self._buffer.append(("refused", request_id, _portable(error)))
+        self._buffer.append(("refused", request_id[self.skip:], _portable(error)))
 
     def failed(self, request_id: str, error: Exception) -> None:
         self._sent.pop(request_id, None)
-        self._buffer.append(("failed", request_id, _portable(error)))
+        self._buffer.append(("failed", request_id[self.skip:], _portable(error)))
 
     def released(self, request_id: str, kind: str) -> None:
         self._sent.pop(request_id, None)
-        self._buffer.append(("released", request_id, kind))
+        self._buffer.append(("released", request_id[self.skip:], kind))
 
     def stepped(self, outputs: list[RequestOutput], first_scheduled: list[str], step_started: float,
                 stats: EngineStats) -> None:
         deltas = [self._delta(out) for out in outputs]
-        self._buffer.append(("stepped", deltas, first_scheduled, step_started, stats))
+        first = [request_id[self.skip:] for request_id in first_scheduled]
+        self._buffer.append(("stepped", deltas, first, step_started, stats))
         self.flush()
 
     def fatal(self, error: BaseException) -> None:
@@ -398,8 +481,25 @@ class _PipeEvents:
         self.flush()
 
     def flush(self) -> None:
-        self.connection.send(self._buffer)
-        self._buffer = []
+        buffer, self._buffer = self._buffer, []
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                self.connection.send(buffer)
+            except OSError:  # the front end is gone; the thread receiving its commands aborts its requests
+                self.closed = True
+
+    def close(self, last_words: list[tuple]) -> None:
+        """Send `last_words` (unless gone) and nothing more."""
+        with self._lock:
+            if not self.closed and last_words:
+                try:
+                    self.connection.send(last_words)
+                except OSError:
+                    pass
+            self.closed = True
+            self.connection.close()
 
     def _delta(self, out: RequestOutput) -> tuple:
         """(id, new tokens, their logprobs, finish reason, metrics, prompt logprobs). The metrics only when
@@ -416,9 +516,74 @@ class _PipeEvents:
             self._sent.pop(out.request_id, None)
         else:
             self._sent[out.request_id] = (len(completion.token_ids), 0 if logprobs is None else len(logprobs), host_now)
-        return (out.request_id, completion.token_ids[tokens_sent:], new_logprobs,
+        return (out.request_id[self.skip:], completion.token_ids[tokens_sent:], new_logprobs,
                 completion.finish_reason if out.finished else None, metrics if send_metrics else None,
                 out.prompt_logprobs if sent is None else None)
+
+
+class _FrontEnds:
+    """The engine loop's CoreEvents over every front end: each request's events go to the front end that sent it.
+    Front end k's request ids are "k:<id>" in the engine (unchanged with a single front end)."""
+
+    def __init__(self, events: list[Connection]):
+        prefixes = [f"{k}:" if len(events) > 1 else "" for k in range(len(events))]
+        self.sinks = [_PipeEvents(connection, len(prefix)) for connection, prefix in zip(events, prefixes)]
+        self.prefixes = dict(zip(self.sinks, prefixes))
+        self._owner: dict[str, _PipeEvents] = {}  # engine request id -> its front end, from "add" to its end
+
+    def command(self, sink: _PipeEvents, command: tuple) -> tuple:
+        """A front end's command, its request id made the engine's."""
+        request_id = self.prefixes[sink] + command[1]
+        if command[0] == "add":
+            self._owner[request_id] = sink
+        return (command[0], request_id, *command[2:])
+
+    def requests_of(self, sink: _PipeEvents) -> list[str]:
+        return [request_id for request_id, owner in list(self._owner.items()) if owner is sink]
+
+    def accepted(self, request_id: str) -> None:
+        self._owner[request_id].accepted(request_id)
+
+    def refused(self, request_id: str, error: Exception) -> None:
+        self._owner.pop(request_id).refused(request_id, error)
+
+    def failed(self, request_id: str, error: Exception) -> None:
+        self._owner.pop(request_id).failed(request_id, error)
+
+    def released(self, request_id: str, kind: str) -> None:
+        self._owner.pop(request_id).released(request_id, kind)
+
+    def stepped(self, outputs: list[RequestOutput], first_scheduled: list[str], step_started: float,
+                stats: EngineStats) -> None:
+        """Every front end hears of every step (its engine gauges), with its own requests' outputs."""
+        if len(self.sinks) == 1:
+            self._forget_finished(outputs)
+            self.sinks[0].stepped(outputs, first_scheduled, step_started, stats)
+            return
+        mine: dict[_PipeEvents, list[RequestOutput]] = {sink: [] for sink in self.sinks}
+        for out in outputs:
+            mine[self._owner[out.request_id]].append(out)
+        firsts: dict[_PipeEvents, list[str]] = {sink: [] for sink in self.sinks}
+        for request_id in first_scheduled:
+            owner = self._owner.get(request_id)
+            if owner is not None:
+                firsts[owner].append(request_id)
+        self._forget_finished(outputs)
+        for sink in self.sinks:
+            sink.stepped(mine[sink], firsts[sink], step_started, stats)
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+
+    def fatal(self, error: BaseException) -> None:
+        for sink in self.sinks:
+            sink.fatal(error)
+
+    def stopped(self) -> None:
+        for sink in self.sinks:
+            sink.stopped()
 
 
 def _portable(error: BaseException) -> Exception:
@@ -428,8 +593,16 @@ def _portable(error: BaseException) -> Exception:
     return RuntimeError(repr(error))
 
 
+def name_process(name: str) -> None:
+    """The name `ps` and `top` show for this process (Linux; at most 15 characters), where it can be set."""
+    try:
+        Path("/proc/self/comm").write_text(name)
+    except OSError:
+        pass
+
+
 def _engine_process_main(model: str | None, options: dict, log_requests: bool, log_level: int,
-                         commands: Connection, events: Connection) -> None:
+                         links: list[Link]) -> None:
     from nanovllm import request_log
     from nanovllm.log_setup import configure_logging
     from nanovllm.llm import LLM
@@ -437,36 +610,57 @@ def _engine_process_main(model: str | None, options: dict, log_requests: bool, l
     # Ctrl-C reaches the whole process group: the server drains and then stops this process over the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    name_process("nanovllm-core")
     configure_logging()
     logging.getLogger("nanovllm").setLevel(log_level)
     request_log.enable(log_requests)
+    first_events = links[0][1]
     try:
         engine = LLM(model, **options)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        events.send(("start_failed", e if type(e) in (ValueError, TypeError, FileNotFoundError) else
-                     RuntimeError(f"the engine could not start: {e!r}")))
+        first_events.send(("start_failed", e if type(e) in (ValueError, TypeError, FileNotFoundError) else
+                           RuntimeError(f"the engine could not start: {e!r}")))
         return
     bm = engine.block_manager
-    events.send(("started", {"config": engine.config, "pool": PoolLimits(bm.num_blocks, bm.num_host_blocks,
-                                                                          bm.block_size), "stats": engine.stats()}))
-    sink = _PipeEvents(events)
-    loop = EngineLoop(engine, sink)
-    threading.Thread(target=_receive_commands, args=(commands, loop), name="nanovllm-commands", daemon=True).start()
+    first_events.send(("started", CoreStart(engine.config, PoolLimits(bm.num_blocks, bm.num_host_blocks, bm.block_size),
+                                            engine.stats())))
+    front_ends = _FrontEnds([events for _, events in links])
+    loop = EngineLoop(engine, front_ends)
+    commands = {connection: sink for (connection, _), sink in zip(links, front_ends.sinks)}
+    threading.Thread(target=_receive_commands, args=(commands, front_ends, loop), name="nanovllm-commands",
+                     daemon=True).start()
     loop.run()
-    try:
-        sink.stopped()
-    except OSError:
-        pass
+    front_ends.stopped()
     engine.shutdown()
 
 
-def _receive_commands(commands: Connection, loop: EngineLoop) -> None:
-    while True:
-        try:
-            command = commands.recv()
-        except (EOFError, OSError):  # the server process is gone: nobody waits for any output
-            os._exit(0)
-        if command[0] == "stop":
-            loop.stop()
-            return
-        loop.post(command)
+def _receive_commands(commands: dict[Connection, _PipeEvents], front_ends: _FrontEnds, loop: EngineLoop) -> None:
+    """Every front end's commands, as they come. A front end that stops, or goes away, leaves: the last one to
+    stop lets the loop finish what it holds and end; one that leaves before has its requests aborted."""
+    while commands:
+        for connection in wait(list(commands)):
+            try:
+                command = connection.recv()
+            except (EOFError, OSError):
+                command = None
+            if command is not None and command[0] != "stop":
+                loop.post(front_ends.command(commands[connection], command))
+                continue
+            sink = commands.pop(connection)
+            if not commands and command is not None:
+                loop.stop()
+                return
+            if not commands:  # every front end is gone: nobody waits for any output
+                os._exit(0)
+            _leave(sink, front_ends, loop, stopped=command is not None)
+
+
+def _leave(sink: _PipeEvents, front_ends: _FrontEnds, loop: EngineLoop, stopped: bool) -> None:
+    """A front end leaves while others stay: its requests are aborted (their KV freed), its events end."""
+    requests = front_ends.requests_of(sink)
+    if requests:
+        log.warning("a front end %s with %d requests in flight; aborting them", "stopped" if stopped else "went away",
+                    len(requests))
+    for request_id in requests:
+        loop.post(("abort", request_id))
+    sink.close([("stopped",)] if stopped else [])
