@@ -58,7 +58,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from nanovllm import LLM
     from nanovllm import request_log
-    from nanovllm.server.app import ServerOptions, api_key_from, load_chat_template, serve
+    from nanovllm.server.app import ServerOptions, api_key_from, check_api_server_count, load_chat_template, serve
     from nanovllm.server.engine_core import EngineProcess
 
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
@@ -69,15 +69,30 @@ def cmd_serve(args: argparse.Namespace) -> None:
     for flag in ("max_request_body_bytes", "timeout_keep_alive", "timeout_request_read"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    check_api_server_count(args.api_server_count, args.engine_core)
     request_log.enable(args.enable_log_requests)
     options = ServerOptions(args.served_model_name, args.max_pending_requests, api_key_from(args.api_key),
                             tuple(args.allowed_origins or ()), args.max_request_body_bytes, args.timeout_keep_alive,
-                            args.timeout_request_read, load_chat_template(args.chat_template))
-    if args.engine_core == "process":
+                            args.timeout_request_read, load_chat_template(args.chat_template), args.api_server_count)
+    if args.api_server_count > 1:
+        serve_front_ends(model, args, options)
+    elif args.engine_core == "process":
         llm = EngineProcess(model, args.enable_log_requests, **engine_options(args))
     else:
         llm = LLM(model, **engine_options(args))
     serve(llm, args.host, args.port, options, args.log_level, args.shutdown_timeout)
+
+
+def serve_front_ends(model: str | None, args: argparse.Namespace, options) -> None:
+    """`serve --api-server-count N` with N > 1: N front-end processes over one engine process."""
+    import logging
+
+    from nanovllm.server.api_servers import FrontEndSettings, serve_api_servers
+
+    settings = FrontEndSettings(args.host, args.port, options, args.log_level,
+                                logging.getLogger("nanovllm").getEffectiveLevel(), args.enable_log_requests,
+                                args.shutdown_timeout)
+    serve_api_servers(model, engine_options(args), settings)
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -116,7 +131,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--served-model-name", default=None,
                        help="the model id clients send and /v1/models lists (default: the model directory's name)")
     serve.add_argument("--max-pending-requests", type=int, default=256,
-                       help="most requests in flight (running + waiting); one more gets 503 (default: 256)")
+                       help="most requests in flight (running + waiting); one more gets 503; with several API "
+                            "servers, per API server (default: 256)")
     serve.add_argument("--shutdown-timeout", type=float, default=None,
                        help="seconds to let requests in flight finish after SIGTERM; a second SIGTERM exits at "
                             "once (default: no limit)")
@@ -142,6 +158,10 @@ def add_serve_parser(sub) -> None:
                        help="where the engine loop runs: in a process of its own, apart from the HTTP front end "
                             "and the detokenizer (as vLLM's EngineCore), or in a thread of the server process "
                             "(default: process)")
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="HTTP front-end processes sharing the listening socket and one engine process (needs "
+                            "--engine-core process); each tokenizes, detokenizes and streams its own requests, and "
+                            "its /metrics counts its own requests beside the engine's gauges (default: 1)")
     add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
 

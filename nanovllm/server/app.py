@@ -16,6 +16,8 @@ import dataclasses
 import importlib.metadata
 import logging
 import os
+import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,8 +38,8 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
 from nanovllm.server import responses as r
 from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from nanovllm.server.engine_core import EngineProcess, RequestFailed, ThreadCore
-from nanovllm.server.http import APIKeyMiddleware, EventStream, read_json_body, with_header_timeout
+from nanovllm.server.engine_core import CoreClient, RequestFailed, ThreadCore
+from nanovllm.server.http import APIKeyMiddleware, EventStream, FrontEndHeader, read_json_body, with_header_timeout
 from nanovllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm.server.preprocess import PreparedRequest, Preprocessor, refusal
 
@@ -57,6 +59,19 @@ class ServerOptions:
     timeout_keep_alive: float = 5.0  # an idle keep-alive connection is closed after this
     timeout_request_read: float = 30.0  # request line + headers, then the body, must each arrive within this
     chat_template: str | None = None  # a Jinja template replacing the model's own (--chat-template)
+    api_server_count: int = 1  # front-end processes over one engine process (server/api_servers.py)
+
+    def __post_init__(self):
+        check_api_server_count(self.api_server_count)
+
+
+def check_api_server_count(count: int, engine_core: str = "process") -> None:
+    """--api-server-count: an int >= 1; more than one front end needs the engine in a process of its own."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"api_server_count must be an int >= 1, got {count!r}")
+    if count > 1 and engine_core != "process":
+        raise ValueError(f"api_server_count={count} needs --engine-core process (the front-end processes share "
+                         f"one engine process), got --engine-core {engine_core}")
 
 
 def error_response(e: p.APIError) -> JSONResponse:
@@ -65,15 +80,15 @@ def error_response(e: p.APIError) -> JSONResponse:
 
 
 class OpenAIServer:
-    """The routes over one engine: an LLM (its loop then runs in a thread of this process) or an
-    EngineProcess (in a process of its own)."""
+    """The routes over one engine: an LLM (its loop then runs in a thread of this process) or a CoreClient of
+    an engine process (an EngineProcess of this front end's own, or one shared by several front ends)."""
 
-    def __init__(self, llm: LLM | EngineProcess, options: ServerOptions = ServerOptions()):
+    def __init__(self, llm: LLM | CoreClient, options: ServerOptions = ServerOptions()):
         self.llm = llm
         self.options = options
         self.model_name = options.served_model_name or Path(llm.config.model).name
         self.metrics = ServerMetrics(self.model_name)
-        core = llm if isinstance(llm, EngineProcess) else ThreadCore(llm)
+        core = llm if isinstance(llm, CoreClient) else ThreadCore(llm)
         self.engine = AsyncEngine(core, self.metrics, options.max_pending_requests)
         self.preprocessor = Preprocessor(llm, (self.model_name,), options.chat_template)
         self.token_texts = r.TokenTexts(llm.tokenizer)
@@ -83,6 +98,8 @@ class OpenAIServer:
                                          allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
         if options.api_key is not None:
             middleware.append(Middleware(APIKeyMiddleware, api_key=options.api_key))
+        if options.api_server_count > 1:
+            middleware.append(Middleware(FrontEndHeader))
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -315,20 +332,21 @@ async def _until_finished_or_disconnect(streams: list[RequestStream], request: R
 SWITCH_INTERVAL_S = 0.0005
 
 
-def serve(llm: LLM | EngineProcess, host: str, port: int, options: ServerOptions = ServerOptions(), log_level: str = "info",
-          shutdown_timeout: float | None = None) -> None:
+def serve(llm: LLM | CoreClient, host: str, port: int, options: ServerOptions = ServerOptions(), log_level: str = "info",
+          shutdown_timeout: float | None = None, sock: socket.socket | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain the requests in flight. Exits with status 1 if the
-    engine broke."""
+    engine broke. With `sock` (one of several front ends, server/api_servers.py): serve on that listening
+    socket and leave SIGINT to the parent, which turns it into a SIGTERM to each front end."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = OpenAIServer(llm, options)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
                             http=with_header_timeout(options.timeout_request_read),
                             timeout_keep_alive=options.timeout_keep_alive)
-    uvicorn_server = _DrainingServer(config, server.engine)
+    uvicorn_server = _DrainingServer(config, server.engine, handles_sigint=sock is None)
     server.engine.on_fatal = lambda: setattr(uvicorn_server, "should_exit", True)
     try:
-        uvicorn_server.run()
+        uvicorn_server.run(sockets=None if sock is None else [sock])
     finally:  # after a drain the engine has stopped already; after a second signal it must not be waited for
         server.engine.core.kill()
     if server.engine.error is not None:
@@ -369,14 +387,18 @@ def api_key_from(option: str | None) -> str | None:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, plus: the first signal turns new generation requests (and /health) into 503;
-    a second one exits without waiting; after the drain the process exits with status 0 (uvicorn would
+    a second one exits without waiting (a front end of several ignores SIGINT: Ctrl-C reaches
+    every process, and the parent sends each front end a SIGTERM); after the drain the process exits with status 0 (uvicorn would
     raise the signal again, and Ctrl-C would end in a KeyboardInterrupt traceback and status 1)."""
 
-    def __init__(self, config, engine: AsyncEngine):
+    def __init__(self, config, engine: AsyncEngine, handles_sigint: bool = True):
         super().__init__(config)
         self.engine = engine
+        self.handles_sigint = handles_sigint
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGINT and not self.handles_sigint:
+            return
         self.engine.draining = True
         if self.should_exit:
             self.force_exit = True

@@ -6,6 +6,8 @@
   without asking, but not application/json), at most `limit` bytes (else 413), all of it within
   `timeout` seconds (else 408).
 - `EventStream`: a text/event-stream response of byte chunks, sent straight to the ASGI server.
+- `FrontEndHeader`: `X-Nanovllm-Frontend: <pid>` on every response, with several front-end processes
+  (--api-server-count): which one served it.
 - `HeaderTimeoutProtocol`: uvicorn's h11 protocol, plus a deadline for a request's line and headers
   (uvicorn has only the keep-alive timeout, so a client sending headers byte by byte held a connection
   forever).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 from collections.abc import AsyncIterator
 
 import h11
@@ -46,6 +49,26 @@ class APIKeyMiddleware:
         header = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+
+
+class FrontEndHeader:
+    """Adds `X-Nanovllm-Frontend: <this process's pid>` to every HTTP response."""
+
+    def __init__(self, app):
+        self.app = app
+        self.header = (b"x-nanovllm-frontend", str(os.getpid()).encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 def is_json_content_type(value: str | None) -> bool:
