@@ -107,9 +107,10 @@ def client_share(url: str, model: str, prompts, out_lens, rate: float, seed: int
 def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0, processes: int = 1,
              server_pid: int | None = None) -> dict:
     """One rate's run from `processes` client processes (each sends every processes-th prompt at rate /
-    processes: together still Poisson at `rate`), with the CPU busy fractions of the client and of the server
-    process (its front end) over the run: a client at 1.0 measures itself, not the server."""
-    server_cpu = process_cpu_seconds(server_pid)
+    processes: together still Poisson at `rate`), with the CPU busy fractions of the client and of the server's
+    front-end processes over the run (their sum and the busiest): a client at 1.0 measures itself, not the server."""
+    front_ends = front_end_pids(server_pid)
+    server_cpu = [process_cpu_seconds(pid) for pid in front_ends]
     if processes == 1:
         results, start, end, client_cpu = client_share(url, model, prompts, out_lens, rate, seed, 0.0)
         shares = [(results, start, end, client_cpu)]
@@ -127,9 +128,33 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     summary = summarize(rate, [r for results, *_ in shares for r in results], duration)
     summary["client_processes"] = processes
     summary["client_cpu_busy"] = sum(cpu for *_, cpu in shares) / (duration * processes)
-    if server_cpu is not None:
-        summary["server_cpu_busy"] = (process_cpu_seconds(server_pid) - server_cpu) / duration
+    busy = [(process_cpu_seconds(pid) - before) / duration for pid, before in zip(front_ends, server_cpu)
+            if before is not None and process_cpu_seconds(pid) is not None]
+    if busy:
+        summary["server_cpu_busy"] = sum(busy)
+        summary["server_cpu_busy_max"] = max(busy)
+        summary["server_front_ends"] = len(busy)
     return summary
+
+
+def front_end_pids(server_pid: int | None) -> list[int]:
+    """The server's HTTP front-end processes: its children named nanovllm-api (`serve --api-server-count N`,
+    N > 1), else the server process itself."""
+    if server_pid is None:
+        return []
+    try:
+        children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    except OSError:
+        return [server_pid]
+    named = [int(pid) for pid in children if _process_name(int(pid)) == "nanovllm-api"]
+    return named or [server_pid]
+
+
+def _process_name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def process_cpu_seconds(pid: int | None) -> float | None:
@@ -246,6 +271,8 @@ def print_report(report: dict) -> None:
         busy = f"client CPU busy {r['client_cpu_busy']:.2f} ({r['client_processes']} processes)"
         if "server_cpu_busy" in r:
             busy += f", server front end {r['server_cpu_busy']:.2f}"
+            if r["server_front_ends"] > 1:
+                busy += f" ({r['server_front_ends']} processes, busiest {r['server_cpu_busy_max']:.2f})"
         print(f"       {busy}")
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
@@ -294,6 +321,10 @@ def parse_rates(text: str) -> list[float]:
 
 def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) -> dict:
     rates = parse_rates(args.request_rates)
+    if args.url is None:
+        from nanovllm.server.app import check_api_server_count
+
+        check_api_server_count(args.api_server_count, args.engine_core)
     if args.client_processes < 1:
         raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     if math.inf not in rates:
@@ -305,8 +336,8 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_server(args.model, [*engine_args, "--engine-core", args.engine_core], port,
-                            out_dir / "serving_server.log")
+        proc = start_server(args.model, [*engine_args, "--engine-core", args.engine_core, "--api-server-count",
+                                         str(args.api_server_count)], port, out_dir / "serving_server.log")
     try:
         wait_healthy(url, proc)
         model, max_model_len = server_model(url)
@@ -335,7 +366,8 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
     report = {"title": f"{model}: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out",
               "model": model, "url": args.url, "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "engine_options": engine_options,
-              "engine_core": args.engine_core if proc is not None else None, "peer": peer, "rates": results}
+              "engine_core": args.engine_core if proc is not None else None,
+              "api_server_count": args.api_server_count if proc is not None else None, "peer": peer, "rates": results}
     print_report(report)
     (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / f"{args.name}.png")
@@ -364,6 +396,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="serving", help="file name stem of the results (default: serving)")
     parser.add_argument("--engine-core", default="process", choices=["process", "thread"],
                         help="the started server's --engine-core (default: process)")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="the started server's --api-server-count: HTTP front-end processes over one engine "
+                             "process; 'server front end' then sums them and names the busiest (default: 1)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="client processes sharing the requests (one Python client parsing every SSE chunk can "
                              "be the bottleneck: see 'client CPU busy' in the report; default: 1)")
