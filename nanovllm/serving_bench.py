@@ -150,6 +150,16 @@ def front_end_pids(server_pid: int | None) -> list[int]:
     return named or [server_pid]
 
 
+def wait_front_ends(server_pid: int, count: int, timeout: float = 300.0) -> None:
+    """Wait until the server's `count` front-end processes are about to serve (one answering /health is not all)."""
+    deadline = time.monotonic() + timeout
+    while len(front_end_pids(server_pid)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server's {count} front-end processes did not all start within {timeout:.0f} s")
+        time.sleep(0.2)
+    time.sleep(0.5)  # from naming itself to accepting connections
+
+
 def _process_name(pid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -340,6 +350,8 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
                                          str(args.api_server_count)], port, out_dir / "serving_server.log")
     try:
         wait_healthy(url, proc)
+        if proc is not None and args.api_server_count > 1:
+            wait_front_ends(proc.pid, args.api_server_count)
         model, max_model_len = server_model(url)
         if args.input_len + args.output_len > max_model_len:  # the server would refuse every request
             raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the server's "

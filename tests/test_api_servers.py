@@ -23,7 +23,7 @@ from conftest import make_tiny_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.server.app import ServerOptions, check_api_server_count
 from nanovllm.server.engine_core import CoreClient, SharedCore
-from nanovllm.serving_bench import front_end_pids
+from nanovllm.serving_bench import front_end_pids, wait_front_ends
 from server_helpers import ServerProcess
 
 ENGINE = dict(kvcache_block_size=16, num_gpu_blocks=32, max_model_len=256, device="cpu", dtype="float32")
@@ -120,6 +120,7 @@ def test_api_server_count_is_validated(tiny_model):
 def server(tiny_model, tmp_path_factory):
     srv = ServerProcess(tiny_model, ["--device", "cpu", "--num-gpu-blocks", "128", "--api-server-count", "3"],
                         tmp_path_factory.mktemp("api3") / "server.log")
+    wait_front_ends(srv.proc.pid, 3)
     yield srv
     srv.stop()
 
@@ -209,6 +210,7 @@ def test_killing_a_front_end_aborts_its_requests_and_the_others_go_on(server, ex
 
 def test_sigterm_drains_every_front_end_and_exits_0(tiny_model, tmp_path):
     srv = ServerProcess(tiny_model, ["--device", "cpu", "--api-server-count", "2"], tmp_path / "server.log")
+    wait_front_ends(srv.proc.pid, 2)
     try:
         finished, streaming = [], threading.Semaphore(0)
 

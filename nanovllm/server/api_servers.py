@@ -88,11 +88,11 @@ def _front_end_main(link: Link, start: CoreStart, sock: socket.socket, settings:
     from nanovllm.log_setup import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the parent sends a SIGTERM
-    name_process("nanovllm-api")
     configure_logging()
     logging.getLogger("nanovllm").setLevel(settings.logger_level)
     request_log.enable(settings.log_requests)
     client = CoreClient(link, start)
+    name_process("nanovllm-api")  # once about to serve: `bench serving` waits for every front end so named
     serve(client, settings.host, settings.port, settings.options, settings.log_level, settings.shutdown_timeout,
           sock=sock)
 

@@ -332,8 +332,8 @@ async def _until_finished_or_disconnect(streams: list[RequestStream], request: R
 SWITCH_INTERVAL_S = 0.0005
 
 
-def serve(llm: LLM | CoreClient, host: str, port: int, options: ServerOptions = ServerOptions(), log_level: str = "info",
-          shutdown_timeout: float | None = None, sock: socket.socket | None = None) -> None:
+def serve(llm: LLM | CoreClient, host: str, port: int, options: ServerOptions = ServerOptions(),
+          log_level: str = "info", shutdown_timeout: float | None = None, sock: socket.socket | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain the requests in flight. Exits with status 1 if the
     engine broke. With `sock` (one of several front ends, server/api_servers.py): serve on that listening
     socket and leave SIGINT to the parent, which turns it into a SIGTERM to each front end."""
@@ -387,9 +387,10 @@ def api_key_from(option: str | None) -> str | None:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, plus: the first signal turns new generation requests (and /health) into 503;
-    a second one exits without waiting (a front end of several ignores SIGINT: Ctrl-C reaches
-    every process, and the parent sends each front end a SIGTERM); after the drain the process exits with status 0 (uvicorn would
-    raise the signal again, and Ctrl-C would end in a KeyboardInterrupt traceback and status 1)."""
+    a second one exits without waiting (a front end of several ignores SIGINT: Ctrl-C reaches every
+    process, and the parent sends each front end a SIGTERM); after the drain the process exits with
+    status 0 (uvicorn would raise the signal again, and Ctrl-C would end in a KeyboardInterrupt traceback
+    and status 1)."""
 
     def __init__(self, config, engine: AsyncEngine, handles_sigint: bool = True):
         super().__init__(config)

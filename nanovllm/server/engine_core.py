@@ -229,7 +229,8 @@ class CoreStart:
 Link = tuple[Connection, Connection]  # a front end's (commands it sends, events it receives)
 
 
-def spawn_core(model: str | None, options: dict, log_requests: bool, count: int) -> tuple[BaseProcess, list[Link], CoreStart]:
+def spawn_core(model: str | None, options: dict, log_requests: bool,
+               count: int) -> tuple[BaseProcess, list[Link], CoreStart]:
     """Start an engine process for `count` front ends and wait until its engine is built: the process, one
     Link per front end, and what it sent. Raises what LLM(...) raised there."""
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; the child imports afresh
