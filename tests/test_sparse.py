@@ -161,6 +161,19 @@ PROMPTS = [list(range(3, 150)), [7] * 40 + list(range(60)), list(range(200, 20, 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 
 
+def record_selections(selector) -> list:
+    """Wraps selector.select: the returned list gets (batch, masks) of every call."""
+    calls, select = [], selector.select
+
+    def recording(layer, q, num_kv_heads, batch):
+        masks = select(layer, q, num_kv_heads, batch)
+        calls.append((batch, masks))
+        return masks
+
+    selector.select = recording
+    return calls
+
+
 def assert_equals_full_attention(llm_for, tiny_llama, offload: bool, density: str, device: str = "cpu") -> None:
     """llm_for(**memory) -> a sparse engine whose selection keeps every block: outputs equal full attention.
     On CUDA both engines run their decode graphs (the sparse one with its key-bound hook inside them), in fp32:
@@ -375,15 +388,8 @@ def test_xattention_offload_prefill_copies_all_keys_once_and_only_selected_value
     prompt, first_token = PROMPTS[0] + PROMPTS[2], SamplingParams(temperature=0, max_tokens=1)
     # cover "group": on this tiny model some query head of each group wants every block at 0.8 ("head")
     llm = xattn_llm(tiny_llama, xattn_threshold=threshold, xattn_cover="group", **schedule)
-    selector, calls = llm.runner.worker.selector, []
-    select = selector.select
-
-    def recording(layer, q, num_kv_heads, batch):
-        masks = select(layer, q, num_kv_heads, batch)
-        calls.append((batch, masks))
-        return masks
-
-    selector.select = recording
+    selector = llm.runner.worker.selector
+    calls = record_selections(selector)
     got = llm.generate([prompt], first_token, use_tqdm=False)[0]
     half = llm.runner.host_pool.block_bytes_per_layer // 2
     expected = 0
@@ -511,15 +517,8 @@ def test_xattention_forced_blocks_in_the_engine_and_their_density(tiny_llama, mo
     memory = dict(num_gpu_blocks=5, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else \
         dict(num_gpu_blocks=64)
     llm = xattn_forced_llm(tiny_llama, monkeypatch, xattn_dense_last_blocks=3, xattn_local_blocks=2, **memory)
-    selector, calls = llm.runner.worker.selector, []
-    select = selector.select
-
-    def recording(layer, q, num_kv_heads, batch):
-        masks = select(layer, q, num_kv_heads, batch)
-        calls.append((batch, masks))
-        return masks
-
-    selector.select = recording
+    selector = llm.runner.worker.selector
+    calls = record_selections(selector)
     first_token = SamplingParams(temperature=0, max_tokens=1)
     prompts = [list(range(3, 153)), list(range(3, 99)) + list(range(250, 176, -1))]  # 150 tokens; 96 shared + 74
     for prompt in prompts:
