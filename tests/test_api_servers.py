@@ -198,6 +198,9 @@ def test_killing_a_front_end_aborts_its_requests_and_the_others_go_on(server, ex
         for _ in lines:
             pass
     client.close()
+    deadline = time.monotonic() + 60  # the parent reaps the killed process when its wait wakes up
+    while victim in front_end_pids(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert victim not in front_end_pids(server.proc.pid)
     idle = server.wait_idle()
     assert idle['nanovllm:kv_blocks_used{pool="gpu"}'] == 0 and idle["nanovllm:num_requests_running"] == 0
