@@ -199,6 +199,18 @@ def test_quest_with_a_budget_covering_the_context_equals_full_attention(tiny_lla
                                  offload, "decode_density", device)
 
 
+def expected_decode_density(prompt_len: int, new_tokens: int, block_size: int, sparse_read) -> float:
+    """Blocks read over blocks present in the decode steps of the tiny model (2 layers, 2 KV heads; layer 0
+    dense, layer 1 reading sparse_read(n) of its n blocks per KV head)."""
+    layers, heads = 2, 2
+    read = present = 0
+    for step in range(1, new_tokens):  # the first token comes from the prefill
+        n = -(-(prompt_len + step) // block_size)
+        present += layers * heads * n
+        read += heads * n + heads * sparse_read(n)
+    return read / present
+
+
 def test_quest_decode_density_matches_an_independent_count(tiny_llama):
     """One request, budget 2 blocks: each decode step reads min(n, 2 + sink + recent) of its n blocks in
     every layer past the first (dense) one; prefill stays dense."""
@@ -206,13 +218,8 @@ def test_quest_decode_density_matches_an_independent_count(tiny_llama):
     llm = quest_llm(tiny_llama, num_gpu_blocks=64, quest_token_budget=budget * BS, quest_dense_layers=1)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                        use_tqdm=False)[0]
-    layers, heads = 2, 2
-    read = present = 0
-    for step in range(1, new_tokens):  # the first token comes from the prefill
-        n = -(-(len(prompt) + step) // BS)
-        present += layers * heads * n
-        read += heads * n + heads * min(n, budget + 2)  # layer 0 dense, layer 1 sparse
-    assert out.metrics.decode_density == pytest.approx(read / present)
+    expected = expected_decode_density(len(prompt), new_tokens, BS, lambda n: min(n, budget + 2))
+    assert out.metrics.decode_density == pytest.approx(expected)
     assert out.metrics.decode_density < 1.0
     assert out.metrics.prefill_density == 1.0
     assert out.metrics.host_kv_bytes_read == 0
@@ -227,13 +234,8 @@ def test_quest_page_select_decode_density_matches_an_independent_count(tiny_llam
                     quest_dense_layers=1, quest_page_select=True)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                        use_tqdm=False)[0]
-    layers, heads = 2, 2
-    read = present = 0
-    for step in range(1, new_tokens):  # the first token comes from the prefill
-        n = -(-(len(prompt) + step) // bs)
-        present += layers * heads * n
-        read += heads * n + heads * ((4 + 4 + 3) / 4 if (n - 2) * 4 > 3 else n)
-    assert out.metrics.decode_density == pytest.approx(read / present) and out.metrics.decode_density < 1.0
+    expected = expected_decode_density(len(prompt), new_tokens, bs, lambda n: (4 + 4 + 3) / 4 if (n - 2) * 4 > 3 else n)
+    assert out.metrics.decode_density == pytest.approx(expected) and out.metrics.decode_density < 1.0
 
 
 def test_quest_offload_reports_the_host_bytes_it_copies(tiny_llama):
