@@ -855,8 +855,9 @@ def test_mixed_step_decode_rows_select_pages_as_a_decode_step_does(seed, offload
     assert in_place == sum(host_pages) * page_bytes and (in_place > 0) == offload
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_llama, offload, monkeypatch):
+def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_llama, offload, device, monkeypatch):
     """quest_page_select, 64-token blocks (4 pages), a 3-page budget, sparse_min_context=0: a request decoding
     alone and beside a 400-token prompt prefilled in 64-token chunks (mixed steps, seen through MixedRows; with
     offload through SplitKV, blocks moved to the host) gives the same tokens and logprobs (1e-5) and the same
@@ -870,7 +871,7 @@ def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_ll
     prompt, new_tokens, bs = list(range(5, 205)), 12, 4 * BS
     memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else {}
     options = dict(kvcache_block_size=bs, quest_token_budget=3 * 16, quest_dense_layers=1, quest_page_select=True,
-                   **memory)
+                   device=device, **memory)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
     alone = quest_llm(tiny_llama, **options).generate([prompt], params, use_tqdm=False)[0]
     assert not seen
@@ -880,7 +881,7 @@ def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_ll
     assert len(seen) >= 5 * 2 and ("SplitKV" if offload else "DeviceKV") in seen  # 2 layers per mixed step
     assert beside.token_ids == alone.token_ids
     for a, b in zip(beside.outputs[0].logprobs, alone.outputs[0].logprobs):
-        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-5
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < (1e-5 if device == "cpu" else 1e-4)
     layers, heads = 2, 2
     read = present = 0
     for step in range(1, new_tokens):  # the first token comes from the prefill
