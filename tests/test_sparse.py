@@ -869,7 +869,7 @@ def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_ll
     monkeypatch.setattr(MixedRows, "attend", lambda self, *a: seen.append(type(self.parts[0]).__name__) or
                         attend(self, *a))
     prompt, new_tokens, bs = list(range(5, 205)), 12, 4 * BS
-    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else {}
+    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else dict(num_gpu_blocks=64)
     options = dict(kvcache_block_size=bs, quest_token_budget=3 * 16, quest_dense_layers=1, quest_page_select=True,
                    device=device, **memory)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
