@@ -49,7 +49,7 @@ class EngineConfig:
     xattn_local_blocks: int = 0  # XAttention: each query block keeps the N key blocks before its own (local window)
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
-    quest_page_select: bool = False  # Quest: decode steps keep each KV head's top 16-token pages, not blocks
+    quest_page_select: bool = True  # Quest: decode steps keep each KV head's top 16-token pages, not blocks
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)

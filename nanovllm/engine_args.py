@@ -24,7 +24,7 @@ _HELP = {
     "quest_token_budget": "Quest: KV tokens each KV head reads per decode step, besides the sink and recent blocks",
     "quest_dense_layers": "Quest: the first N layers stay dense",
     "quest_page_select": "Quest: decode steps keep each KV head's top 16-token pages within the budget (plus the "
-                         "sink and recent blocks' pages) instead of its top KV blocks",
+                         "sink and recent blocks' pages) instead of its top KV blocks (default: on)",
     "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",

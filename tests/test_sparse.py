@@ -871,7 +871,7 @@ def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_ll
     prompt, new_tokens, bs = list(range(5, 205)), 12, 4 * BS
     memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else dict(num_gpu_blocks=64)
     options = dict(kvcache_block_size=bs, quest_token_budget=3 * 16, quest_dense_layers=1, quest_page_select=True,
-                   device=device, **memory)
+                   device=device, dtype="float32", **memory)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
     alone = quest_llm(tiny_llama, **options).generate([prompt], params, use_tqdm=False)[0]
     assert not seen

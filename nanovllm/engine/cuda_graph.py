@@ -6,6 +6,7 @@ Per-step inputs are copied into static tensors; nothing on the replay path waits
 """
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable
 
@@ -90,8 +91,18 @@ class DecodeGraphs:
         hidden = self.model(ids, self.positions[:bs], self.make_kv(self._metadata(bs), mode))
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
+        """Every graph, with Python's cyclic GC held off: an earlier engine's graphs freed by a collection in
+        mid-capture would be destroyed inside this capture, which invalidates it."""
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_modes()
+        finally:
+            gc.enable()
+
+    @torch.inference_mode()
+    def _capture_modes(self) -> None:
         pool = None
         modes = [("plain", self.buckets)] + ([("staged", self.buckets)] if self.offload is not None else []) + \
             ([("narrowed", self.narrowed_buckets)] if self.narrowed_buckets else [])
