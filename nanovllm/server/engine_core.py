@@ -325,7 +325,10 @@ class CoreClient:
                     if event[0] == "stopped":
                         return
                     self._dispatch(events, event)
-        except (EOFError, OSError):
+        except (EOFError, OSError, TypeError) as e:
+            # a connection closed under recv() raises TypeError (its handle is None): the same end as EOF
+            if isinstance(e, TypeError) and not self._events.closed:
+                raise
             if self._stopping:
                 return
             events.fatal(RuntimeError(self._gone()))
