@@ -1,11 +1,13 @@
 """Host-side pieces of the decode CUDA graphs that need no GPU."""
 from __future__ import annotations
 
+import gc
 import random
 
 import numpy as np
+import pytest
 
-from nanovllm.engine.cuda_graph import batch_buckets, fill_tables
+from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, fill_tables
 
 
 def test_fill_tables_equals_row_by_row():
@@ -23,3 +25,27 @@ def test_batch_buckets_cover_every_batch_size():
     buckets = batch_buckets(100)
     assert buckets[0] == 1 and buckets[-1] == 100 and buckets == sorted(set(buckets))
     assert all(any(b >= n for b in buckets) for n in range(1, 101))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_graphs_are_captured_with_the_cyclic_gc_off_and_it_is_back_after(fails):
+    """A collection in mid-capture could free an earlier engine's graphs inside this capture (which
+    invalidates it): the captures run with the collector off, and it is on again after, failure or not."""
+    seen = []
+
+    class Capturing(DecodeGraphs):
+        def __init__(self):  # no GPU: only the capture's frame
+            pass
+
+        def _capture_modes(self):
+            seen.append(gc.isenabled())
+            if fails:
+                raise RuntimeError("capture failed")
+
+    assert gc.isenabled()
+    if fails:
+        with pytest.raises(RuntimeError, match="capture failed"):
+            Capturing()._capture_all()
+    else:
+        Capturing()._capture_all()
+    assert seen == [False] and gc.isenabled()
