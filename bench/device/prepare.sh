@@ -3,7 +3,7 @@
 #   .models/smol/s.partNN, .models/qwen05/q.partNN  GGUF pieces of 56 MiB (one per call: a call carries <= 64 MiB
 #                                                  with the tracked tree), converted there by on_device.sh
 #   .models/smol_ruler_4k8k.json.gz, .models/qwen_ruler_16k32k.json.gz   RULER samples (nanovllm ruler --save-samples)
-#   .whl/                                          wheels the device lacks (gguf; the server's extra)
+#   .whl/                                          wheels the device lacks (gguf; the server's extra; py-spy)
 # Usage (repo root, venv active): bash bench/device/prepare.sh [models|samples|wheels]...   (default: all three)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,6 +28,7 @@ wheels() {  # the versions this venv has, for the device's Python 3.12
   local names="gguf starlette uvicorn httpx httpcore pydantic pydantic_core prometheus_client anyio h11 sniffio
                annotated-types typing-inspection click idna certifi"
   local pins=$(for n in $names; do pip show "$n" 2>/dev/null | awk -v n="$n" '/^Version:/ {print n "==" $2}'; done)
+  pins="$pins py-spy==0.4.3"  # a sampling profiler for the server's processes (not a dependency: /tmp/site/bin/py-spy)
   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
 }
