@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from nanovllm.serving_profile import ServerProfile, find_py_spy, front_end_pids, server_processes
+
 
 @dataclass
 class RequestResult:
@@ -137,19 +139,6 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     return summary
 
 
-def front_end_pids(server_pid: int | None) -> list[int]:
-    """The server's HTTP front-end processes: its children named nanovllm-api (`serve --api-server-count N`,
-    N > 1), else the server process itself."""
-    if server_pid is None:
-        return []
-    try:
-        children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    except OSError:
-        return [server_pid]
-    named = [int(pid) for pid in children if _process_name(int(pid)) == "nanovllm-api"]
-    return named or [server_pid]
-
-
 def wait_front_ends(server_pid: int, count: int, timeout: float = 300.0) -> None:
     """Wait until the server's `count` front-end processes are about to serve (one answering /health is not all)."""
     deadline = time.monotonic() + timeout
@@ -158,13 +147,6 @@ def wait_front_ends(server_pid: int, count: int, timeout: float = 300.0) -> None
             raise TimeoutError(f"the server's {count} front-end processes did not all start within {timeout:.0f} s")
         time.sleep(0.2)
     time.sleep(0.5)  # from naming itself to accepting connections
-
-
-def _process_name(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None
 
 
 def process_cpu_seconds(pid: int | None) -> float | None:
@@ -286,6 +268,13 @@ def print_report(report: dict) -> None:
         print(f"       {busy}")
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
+        for role, found in r.get("profile", {}).items():
+            if "error" in found:
+                print(f"       profile of the {role}: {found['error']}")
+                continue
+            print(f"       profile of the {role} ({found['samples']} samples while busy, {found['file']}), own time:")
+            for name, share in found["top"]:
+                print(f"         {share:6.1%}  {name}")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -337,6 +326,10 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
         check_api_server_count(args.api_server_count, args.engine_core)
     if args.client_processes < 1:
         raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
+    if args.profile_server:
+        if args.url is not None:
+            raise ValueError("--profile-server profiles the server this benchmark starts, not one at --url")
+        find_py_spy()
     if math.inf not in rates:
         rates.append(math.inf)  # the peer when no offline run is made, and the served ceiling otherwise
     out_dir = Path(args.output_dir or os.environ.get("OUT") or "bench/results")
@@ -361,8 +354,12 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
         run_rate(url, model, prompts[:2], [4, 4], math.inf)  # warm-up
         results = []
         for rate in rates:
+            profile = ServerProfile(server_processes(proc.pid), out_dir, args.name) \
+                if args.profile_server and rate == math.inf else None
             results.append(run_rate(url, model, prompts, out_lens, rate, args.workload_seed, args.client_processes,
                                     proc.pid if proc is not None else None))
+            if profile is not None:
+                results[-1]["profile"] = profile.stop()
             print(f"rate {results[-1]['request_rate']}: {results[-1]['output_throughput_tok_s']:.1f} output tok/s, "
                   f"{results[-1]['completed']}/{len(prompts)} completed", flush=True)
     finally:
@@ -411,6 +408,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="the started server's --api-server-count: HTTP front-end processes over one engine "
                              "process; 'server front end' then sums them and names the busiest (default: 1)")
+    parser.add_argument("--profile-server", action="store_true",
+                        help="sample the started server's processes (engine, each front end) with py-spy during the "
+                             "rate-inf run: the functions on top of most samples in the report, raw stacks in "
+                             "the output directory (needs py-spy on PATH)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="client processes sharing the requests (one Python client parsing every SSE chunk can "
                              "be the bottleneck: see 'client CPU busy' in the report; default: 1)")
