@@ -4,8 +4,9 @@
   lazily from the cache, `BlockKeyBounds`) bound every query's score on the page from above:
   sum_d max(q_d * max_d, q_d * min_d). A block's bound is its pages' maximum, a KV head's the maximum
   over its query heads; each KV head reads its top blocks within `token_budget` tokens plus the sink
-  block and the most recent block. The first `dense_layers` layers, prefill rows and sequences shorter
-  than `min_context` stay dense.
+  block and the most recent block, or with `page_select` (the engine's default, `quest_page_select`) its
+  top pages. The first `dense_layers` layers, prefill rows and sequences shorter than `min_context` stay
+  dense.
 - `XAttentionSelector` (prefill): antidiagonal scoring. Queries and keys are cut into tiles of
   `stride` positions; a (query tile, key tile) pair scores the sum of q.k over the tile's antidiagonal
   (one stride-th of the full Q.K^T work), softmax per query head over the visible key tiles, the
