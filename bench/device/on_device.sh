@@ -7,7 +7,8 @@
 #   ruler_bg NAME DIR ARGS...    python -m nanovllm.eval.ruler.sparse ARGS --output DIR/NAME, in the background
 #                                (survives the call), log DIR/NAME.log
 #   wait_runs SECONDS            wait until no background RULER run is left, at most SECONDS
-#   tables DIR                   each run's table, failures, and DIR's tables as $OUT/tables_<dir>.tgz
+#   tables DIR                   each run's table, failures, and DIR's tables and logs as $OUT/tables_<dir>.tgz
+#                                (at most 8 files come back from $OUT: bundle, do not copy logs one by one)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 
 wheels() {
@@ -45,5 +46,5 @@ tables() {
   local dir=$1
   for f in "$dir"/*/sparse.md; do echo "== $f"; sed -n 3,6p "$f"; done
   grep -l "Traceback" "$dir"/*.log 2>/dev/null | while read -r f; do echo "== FAILED $f"; tail -5 "$f"; done
-  (cd "$dir" && tar czf "$OUT/tables_$(basename "$dir").tgz" */sparse.md */sparse.json 2>/dev/null) || true
+  (cd "$dir" && tar czf "$OUT/tables_$(basename "$dir").tgz" */sparse.md */sparse.json ./*.log 2>/dev/null) || true
 }
