@@ -93,6 +93,26 @@ def test_generate_refuses_prompts_of_other_types(llm, prompts, error, message):
     assert_idle(llm)
 
 
+def test_token_id_lists_are_checked_alike_on_the_fast_and_the_per_item_path():
+    """Lists of plain ints take a C-speed check; an int subclass takes the per-item one and is accepted, and
+    out-of-range or non-int items are refused there with the item named."""
+    import enum
+
+    from nanovllm import validation
+
+    class Token(enum.IntEnum):
+        A = 3
+
+    assert validation.prompt(list(range(5000))) == list(range(5000))
+    assert validation.prompt((Token.A, 4)) == [Token.A, 4]
+    assert validation.prompts([5, 6]) == [[5, 6]] and validation.prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    assert validation.token_ids("ids", []) == []
+    with pytest.raises(ValueError, match=r"ids\[2\] must be an integer in \[0, 2\*\*63 - 1\], got 9223372036854775808"):
+        validation.token_ids("ids", [1, 2, INT64_MAX + 1])
+    with pytest.raises(TypeError, match=r"ids\[1\] must be an integer, got bool"):
+        validation.token_ids("ids", [1, False])
+
+
 def test_generate_refuses_params_of_other_types(llm):
     with pytest.raises(TypeError, match="sampling_params must be"):
         llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False)
