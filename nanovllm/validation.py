@@ -102,7 +102,12 @@ def token_ids(name: str, value: Any) -> list[int]:
     """A list/tuple of non-negative int64 integers -> a list."""
     if not isinstance(value, (list, tuple)):
         raise InvalidType(name, f"must be a list of integers, got {type_name(value)}")
-    if _plain_ints(value) and min(value) >= 0 and max(value) <= INT64_MAX:
+    return _checked_ids(name, value, _plain_ints(value))
+
+
+def _checked_ids(name: str, value: list | tuple, plain: bool) -> list[int]:
+    """token_ids() once the container is checked; plain: _plain_ints(value)."""
+    if plain and min(value) >= 0 and max(value) <= INT64_MAX:
         return list(value)
     for i, t in enumerate(value):
         if not is_int(t):
@@ -120,10 +125,11 @@ def prompt(value: Any, name: str = "prompt") -> str | list[int]:
     if isinstance(value, str):
         return text(name, value)
     if isinstance(value, (list, tuple)):
-        if not _plain_ints(value) and any(not is_int(t) for t in value):
+        plain = _plain_ints(value)
+        if not plain and any(not is_int(t) for t in value):
             bad = next(t for t in value if not is_int(t))
             raise InvalidType(name, f"must be {PROMPT_TYPES}, got a list holding {type_name(bad)}")
-        return token_ids(name, value)
+        return _checked_ids(name, value, plain)
     raise InvalidType(name, f"must be {PROMPT_TYPES}, got {type_name(value)}")
 
 
