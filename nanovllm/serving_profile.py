@@ -49,10 +49,13 @@ class ServerProfile:
     def __init__(self, processes: dict[str, int], out_dir: Path, stem: str, rate_hz: int = 200):
         py_spy = find_py_spy()
         self.files = {role: out_dir / f"{stem}_{role.replace(' ', '_')}.txt" for role in processes}
-        self.recorders = {role: subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz),
-                                                  "--format", "raw", "--nonblocking", "--output", str(self.files[role])],
-                                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                          for role, pid in processes.items()}
+        self.logs = {role: path.with_suffix(".log") for role, path in self.files.items()}  # py-spy's own messages
+        self.recorders = {}
+        for role, pid in processes.items():
+            with self.logs[role].open("w") as log:
+                self.recorders[role] = subprocess.Popen(
+                    [py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz), "--format", "raw", "--nonblocking",
+                     "--output", str(self.files[role])], stdout=subprocess.DEVNULL, stderr=log)
 
     def stop(self, limit: int = 12) -> dict[str, dict]:
         """End the recordings (py-spy writes its file on SIGINT); per process its samples and top functions
@@ -62,13 +65,13 @@ class ServerProfile:
         report = {}
         for role, recorder in self.recorders.items():
             try:
-                _, err = recorder.communicate(timeout=60)
+                recorder.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 recorder.kill()
-                _, err = recorder.communicate()
+                recorder.wait()
             path = self.files[role]
             if not path.exists():
-                report[role] = {"error": (err or b"").decode(errors="replace").strip()[-500:] or "no output"}
+                report[role] = {"error": self.logs[role].read_text(errors="replace").strip()[-500:] or "no output"}
                 continue
             samples, top = top_self_functions(path.read_text(), limit)
             report[role] = {"samples": samples, "top": top, "file": path.name}
