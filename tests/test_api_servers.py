@@ -103,6 +103,44 @@ def test_the_engine_process_routes_each_front_ends_requests_and_aborts_a_gone_on
     assert core.process.exitcode == 0
 
 
+
+def _exit_after(seconds: float, code: int) -> None:
+    time.sleep(seconds)
+    os._exit(code)
+
+
+class _FakeCore:
+    def __init__(self, process):
+        self.process = process
+
+    def join(self, timeout=None):
+        self.process.join(timeout)
+
+
+@pytest.mark.parametrize("signalled, core_code, want", [(True, 0, 0), (True, 1, 1), (False, 0, 1)],
+                         ids=["drained", "engine-failed", "unasked"])
+def test_the_supervisor_reads_an_engine_process_ending_before_the_last_front_end(signalled, core_code, want):
+    """After a signal the engine process ends (0) once the last front end stopped, which may be before that
+    front end has exited: that is a drain (exit 0), not a failure; an engine that ends with another status, or
+    ends unasked, is one (exit 1)."""
+    import multiprocessing
+
+    from nanovllm.server.api_servers import Supervisor
+
+    context = multiprocessing.get_context("fork")
+    core = context.Process(target=_exit_after, args=(0.0, core_code))
+    front_end = context.Process(target=_exit_after, args=(1.0, 0))
+    core.start()
+    front_end.start()
+    supervisor = Supervisor(_FakeCore(core), [front_end])
+    supervisor.signalled = signalled
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        assert supervisor.run() == want
+    finally:
+        for sig, handler in zip((signal.SIGINT, signal.SIGTERM), handlers):
+            signal.signal(sig, handler)
+
 # ---- the server --------------------------------------------------------------------------
 
 def test_api_server_count_is_validated(tiny_model):

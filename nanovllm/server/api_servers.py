@@ -110,13 +110,18 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         alive = list(self.front_ends)
-        core_failed = False
+        core_running, core_failed = True, False
         while alive:
-            watched = [p.sentinel for p in alive] + ([] if core_failed else [self.core.process.sentinel])
+            watched = [p.sentinel for p in alive] + ([self.core.process.sentinel] if core_running else [])
             ready = wait(watched)
-            if not core_failed and self.core.process.sentinel in ready:
-                core_failed = True
-                log.error("the engine process exited with code %s; the front ends exit", self.core.process.exitcode)
+            if core_running and self.core.process.sentinel in ready:
+                core_running = False
+                self.core.process.join()
+                # after a signal the engine process ends with 0 once the last front end stopped, which may be
+                # before that front end's own exit; any other end is a failure
+                core_failed = self.core.process.exitcode != 0 or not self.signalled
+                if core_failed:
+                    log.error("the engine process exited with code %s; the front ends exit", self.core.process.exitcode)
             for process in [p for p in alive if p.sentinel in ready]:
                 alive.remove(process)
                 self._ended(process, core_failed)

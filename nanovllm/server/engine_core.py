@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -75,6 +76,7 @@ class EngineLoop:
         self._live: set[str] = set()  # admitted and not yet ended
         self._unscheduled: set[str] = set()  # admitted, first step not yet run (for the queue-time metric)
         self._failed_steps_in_a_row = 0
+        self.failed = False  # run() ended because the engine broke
 
     def post(self, command: tuple) -> None:
         with self._cond:
@@ -95,6 +97,7 @@ class EngineLoop:
                 self.events.stepped(outputs, self._first_scheduled(), started, self.engine.stats())
         except BaseException as e:  # noqa: BLE001 - the engine itself is broken: report it and stop
             log.critical("the engine failed and stops; the server will exit: %r", e, exc_info=e)
+            self.failed = True
             self.events.fatal(e)
 
     def _next_commands(self) -> list[tuple] | None:
@@ -636,6 +639,8 @@ def _engine_process_main(model: str | None, options: dict, log_requests: bool, l
     loop.run()
     front_ends.stopped()
     engine.shutdown()
+    if loop.failed:  # the parent of several front ends reads the exit status (api_servers.Supervisor)
+        sys.exit(1)
 
 
 def _receive_commands(commands: dict[Connection, _PipeEvents], front_ends: _FrontEnds, loop: EngineLoop) -> None:
