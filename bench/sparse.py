@@ -119,9 +119,22 @@ def prefill_requests(llm: LLM, prompts: list[list[int]], decode_steps: int) -> l
     return ids
 
 
-def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pages: bool = False) -> dict:
+def kernel_table(llm: LLM, steps: int) -> str:
+    """The kernels of `steps` decode steps (those replayed in graphs included) by device time, and the step's
+    host-side (CUDA API) calls: where a step's time goes beyond its bytes' PCIe floor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time_decode(llm, steps)
+    averages = prof.key_averages()
+    return (averages.table(sort_by="device_time_total", row_limit=14, max_name_column_width=70)
+            + averages.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=70))
+
+
+def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pages: bool = False,
+                 profile_kernels: bool = False) -> dict:
     """ms per step with dense attention and with Quest at each budget (and with its 16-token page selection
-    when `pages`), on the running requests."""
+    when `pages`), on the running requests; with `profile_kernels` each peer's kernels are logged too."""
     selector = llm.runner.worker.selector
     out = {}
     peers = [("dense", None, False)] + [(f"quest_{b}", b, False) for b in budgets]
@@ -141,6 +154,8 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pa
             r.update(pcie_floor_ms=floor, vs_floor=r["decode_ms"] / floor,
                      achieved_gbs=r["host_bytes_per_step"] / r["decode_ms"] / 1e6)
         out[name] = r
+        if profile_kernels:
+            log(f"  kernels of {name}, {steps} steps:\n" + kernel_table(llm, steps))
     for name, r in out.items():
         if name != "dense":
             r["speedup_vs_dense"] = out["dense"]["decode_ms"] / r["decode_ms"]
@@ -153,7 +168,7 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pa
 
 
 def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, offload: bool, h2d: float | None,
-                 pages: bool = False) -> list:
+                 pages: bool = False, profile_kernels: bool = False) -> list:
     probe = LLM(config, num_gpu_blocks=1, load_format="dummy", enforce_eager=True)
     max_len, vocab = probe.config.max_model_len, probe.config.hf_config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
@@ -176,7 +191,7 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     for batch, context in parsed:
         ids = prefill_requests(llm, random_prompts(vocab, batch, context, context + batch), steps)
         log(f"{'offload' if offload else 'GPU-only'} decode {batch}x{context}:")
-        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, pages)))
+        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, pages, profile_kernels)))
         for request_id in ids:
             llm.abort_request(request_id)
     llm = None
@@ -230,6 +245,7 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096])
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--pages", action="store_true", help="decode peers with Quest's page selection too")
+    ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-gpu-only", action="store_true")
@@ -247,10 +263,10 @@ def main() -> None:
         log(f"pinned host->device bandwidth: {h2d / 1e9:.1f} GB/s")
         results["h2d_bandwidth_gbs"] = h2d / 1e9
         results["offload_decode"] = decode_cases(args.config, args.decode_cases, args.budgets, args.decode_steps,
-                                                 True, h2d, args.pages)
+                                                 True, h2d, args.pages, args.profile_kernels)
     if not args.skip_gpu_only:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
-                                                  False, None, args.pages)
+                                                  False, None, args.pages, args.profile_kernels)
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
     save_results("sparse", results)
