@@ -161,3 +161,18 @@ def test_start_up_steps_run_the_prefill_ladder(tiny_llama, monkeypatch):
     warm_up.compile_step_variants(llm.runner.worker)
     assert [q for q, s in steps if len(q) == 1] == [[64], [128]]
     assert all(q == s for q, s in steps if len(q) == 1)
+
+
+def test_start_up_samples_greedy_and_random_rows_alone_and_together(tiny_llama, monkeypatch):
+    """compile_step_variants samples one row and several, greedily (argmax: 8 ms for its kernel to load on a
+    fresh H200 engine's first token) and at a temperature."""
+    from nanovllm import LLM
+    from nanovllm.engine import warm_up
+
+    llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=64)
+    calls = []
+    sample = warm_up.sample_on_device
+    monkeypatch.setattr(warm_up, "sample_on_device", lambda logits, params, *a: calls.append(
+        (logits.shape[0], params[0].greedy)) or sample(logits, params, *a))
+    warm_up.compile_step_variants(llm.runner.worker)
+    assert sorted(calls) == [(1, False), (1, True), (2, False), (2, True)]  # the last mixed step: 2 rows

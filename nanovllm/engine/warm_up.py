@@ -9,7 +9,9 @@ and decode that its selections take. Measured on the H200 (kernels/compile_watch
 steps: the first batch of 32 requests waited 0.75 s for two of those to compile, and XAttention's first
 sparse prefill 1.6 s for one. Then prefill forwards at a ladder of token counts: with CUDA's lazy module
 loading (torch's default) the first forward of a new token count loads the GEMM kernels picked for it
-(a first 1K prompt waited 7-21 ms for them, nothing compiled; docs/BENCHMARKS.md).
+(a first 1K prompt waited 7-21 ms for them, nothing compiled; docs/BENCHMARKS.md). Last, greedy and
+temperature sampling of a single row and of several: the first greedy token of a fresh engine waited
+8 ms for the argmax kernel to load (torch.profiler, H200).
 """
 from __future__ import annotations
 
@@ -58,8 +60,16 @@ def compile_step_variants(worker) -> None:
     config = worker.config
     for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
         _mixed_step(worker, [tokens], [tokens])
-    generator = torch.Generator(worker.device).manual_seed(0)  # leaves the engine's own stream untouched
-    sample_on_device(logits, [SamplingParams(temperature=1.0)] * logits.shape[0], [None] * logits.shape[0], generator)
+    _sample_rows(logits)
+
+
+def _sample_rows(logits: torch.Tensor) -> None:
+    """Greedy and temperature sampling of one row (a prefill's token) and of every row (a batch)."""
+    generator = torch.Generator(logits.device).manual_seed(0)  # leaves the engine's own stream untouched
+    for rows in (logits[:1], logits):
+        for temperature in (0.0, 1.0):
+            sample_on_device(rows, [SamplingParams(temperature=temperature)] * rows.shape[0], [None] * rows.shape[0],
+                             generator)
 
 
 class EveryBlockPerHead(BlockSelector):

@@ -70,7 +70,8 @@ class CompileWatch:
         event = CompileEvent(fn.name, describe(repr, kwargs.get("compile")), seconds, self.on_request_path)
         self.events.append(event)
         if event.on_request_path:
-            logger.warning("Triton compiled %s on the request path in %.0f ms: %s", fn.name, 1e3 * seconds, repr)
+            logger.warning("Triton compiled %s on the request path in %.0f ms: %s", fn.name, 1e3 * seconds,
+                           event.signature)
         previous = self._chained[1] if self._chained else None
         return previous(repr=repr, fn=fn, **kwargs) if previous else None
 
