@@ -60,9 +60,10 @@ class LLM(LLMEngine):
         tokens_in = tokens_out = 0
         with bar:
             while len(finished) < len(request_ids):
-                for out in self._step(final_only=True):
-                    if out.finished and out.request_id in request_ids:
-                        finished[out.request_id] = out
+                for req in self._step(final_only=True):
+                    if req.finished and req.request_id in request_ids:
+                        out = req.output()
+                        finished[req.request_id] = out
                         tokens_in += len(out.prompt_token_ids) * len(out.outputs)
                         tokens_out += sum(len(c.token_ids) for c in out.outputs)
                         bar.postfix = _speed(tokens_in, tokens_out, bar.format_dict["elapsed"])

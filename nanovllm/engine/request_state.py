@@ -44,7 +44,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(sample.seq.is_finished for sample in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # read per request and step: no generator for the common case
+            return samples[0].seq.is_finished
+        return all(sample.seq.is_finished for sample in samples)
 
     def stop_reason(self, sample: SampleState, token: int, num_tokens: int, eos_token_ids,
                     max_model_len: int) -> str | None:
@@ -62,13 +65,19 @@ class RequestState:
         return None
 
     def output(self) -> RequestOutput:
-        seq = self.seq
-        metrics = RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
-                                 seq.finish_time, seq.num_cached_tokens, seq.num_preemptions,
-                                 seq.density(seq.prefill_blocks), seq.density(seq.decode_blocks), seq.host_kv_bytes_read)
-        prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [sample.completion() for sample in self.samples], self.finished, metrics, prompt_logprobs)
+                             [sample.completion() for sample in self.samples], self.finished, self.metrics(),
+                             self.prompt_logprobs())
+
+    def metrics(self) -> RequestMetrics:
+        seq = self.seq
+        return RequestMetrics(seq.arrival_time, seq.time_to_first_token, seq.time_per_output_token,
+                              seq.finish_time, seq.num_cached_tokens, seq.num_preemptions,
+                              seq.density(seq.prefill_blocks), seq.density(seq.decode_blocks), seq.host_kv_bytes_read)
+
+    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        seq = self.seq
+        return list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import EngineStats, LLMEngine, StepFailed
 from nanovllm.engine.model_files import load_tokenizer
+from nanovllm.engine.request_state import RequestState
+from nanovllm.engine.sequence import PLACEHOLDER
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 log = logging.getLogger("nanovllm.server")
@@ -54,8 +56,8 @@ class CoreEvents(Protocol):
 
     def refused(self, request_id: str, error: Exception) -> None: ...
 
-    def stepped(self, outputs: list[RequestOutput], first_scheduled: list[str], step_started: float,
-                stats: EngineStats) -> None: ...
+    def stepped(self, outputs: list[RequestOutput] | list[RequestState], first_scheduled: list[str],
+                step_started: float, stats: EngineStats) -> None: ...  # states when the loop builds no outputs
 
     def failed(self, request_id: str, error: Exception) -> None: ...
 
@@ -65,11 +67,14 @@ class CoreEvents(Protocol):
 
 
 class EngineLoop:
-    """Applies commands and runs steps until stopped and idle. `step_started` times are time.monotonic()."""
+    """Applies commands and runs steps until stopped and idle. `step_started` times are time.monotonic().
+    With `build_outputs` False the events get each step's `RequestState`s rather than `RequestOutput`s
+    (the engine process reads token deltas straight from their sequences)."""
 
-    def __init__(self, engine: LLMEngine, events: CoreEvents):
+    def __init__(self, engine: LLMEngine, events: CoreEvents, build_outputs: bool = True):
         self.engine = engine
         self.events = events
+        self._engine_step = engine.step if build_outputs else engine.step_states
         self._commands: deque[tuple] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -137,9 +142,9 @@ class EngineLoop:
         self._unscheduled.add(request_id)
         self.events.accepted(request_id)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutput] | list[RequestState]:
         try:
-            outputs = self.engine.step()
+            outputs = self._engine_step()
         except StepFailed as e:
             self._failed_steps_in_a_row += 1
             log.error("%s", e, exc_info=e.__cause__)
@@ -472,9 +477,9 @@ class _PipeEvents:
         self._sent.pop(request_id, None)
         self._buffer.append(("released", request_id[self.skip:], kind))
 
-    def stepped(self, outputs: list[RequestOutput], first_scheduled: list[str], step_started: float,
+    def stepped(self, outputs: list[RequestState], first_scheduled: list[str], step_started: float,
                 stats: EngineStats) -> None:
-        deltas = [self._delta(out) for out in outputs]
+        deltas = [self._delta(state) for state in outputs]
         first = [request_id[self.skip:] for request_id in first_scheduled]
         self._buffer.append(("stepped", deltas, first, step_started, stats))
         self.flush()
@@ -508,24 +513,26 @@ class _PipeEvents:
             self.closed = True
             self.connection.close()
 
-    def _delta(self, out: RequestOutput) -> tuple:
-        """(id, new tokens, their logprobs, finish reason, metrics, prompt logprobs). The metrics only when
-        the front end reads them: first and last output, and when the host bytes grew (pickling one
-        per output per step would cost the engine ~1.4 us each)."""
-        completion, metrics = out.outputs[0], out.metrics
-        sent = self._sent.get(out.request_id)
+    def _delta(self, state: RequestState) -> tuple:
+        """(id, new tokens, their logprobs, finish reason, metrics, prompt logprobs) of the request's first
+        sample, read from its sequence. The metrics only when the front end reads them: first and last
+        output, and when the host bytes grew (pickling one per output per step would cost the engine ~1.4 us
+        each)."""
+        seq, request_id, finished = state.seq, state.request_id, state.finished
+        sent = self._sent.get(request_id)
         tokens_sent, logprobs_sent, host_bytes = sent if sent is not None else (0, 0, -1)
-        logprobs = completion.logprobs
-        new_logprobs = None if logprobs is None else logprobs[logprobs_sent:]
-        host_now = metrics.host_kv_bytes_read if metrics is not None else 0
-        send_metrics = sent is None or out.finished or host_now != host_bytes
-        if out.finished:
-            self._sent.pop(out.request_id, None)
+        token_ids = seq.token_ids
+        end = len(token_ids) - (token_ids[-1] == PLACEHOLDER)  # the next token, launched but not here (async)
+        new_tokens = token_ids[seq.num_prompt_tokens + tokens_sent : end]
+        new_logprobs = None if seq.params.logprobs is None else seq.logprobs[logprobs_sent:]
+        host_now = seq.host_kv_bytes_read
+        send_metrics = sent is None or finished or host_now != host_bytes
+        if finished:
+            self._sent.pop(request_id, None)
         else:
-            self._sent[out.request_id] = (len(completion.token_ids), 0 if logprobs is None else len(logprobs), host_now)
-        return (out.request_id[self.skip:], completion.token_ids[tokens_sent:], new_logprobs,
-                completion.finish_reason if out.finished else None, metrics if send_metrics else None,
-                out.prompt_logprobs if sent is None else None)
+            self._sent[request_id] = (end - seq.num_prompt_tokens, len(seq.logprobs), host_now)
+        return (request_id[self.skip:], new_tokens, new_logprobs, seq.finish_reason if finished else None,
+                state.metrics() if send_metrics else None, state.prompt_logprobs() if sent is None else None)
 
 
 class _FrontEnds:
@@ -560,14 +567,14 @@ class _FrontEnds:
     def released(self, request_id: str, kind: str) -> None:
         self._owner.pop(request_id).released(request_id, kind)
 
-    def stepped(self, outputs: list[RequestOutput], first_scheduled: list[str], step_started: float,
+    def stepped(self, outputs: list[RequestState], first_scheduled: list[str], step_started: float,
                 stats: EngineStats) -> None:
         """Every front end hears of every step (its engine gauges), with its own requests' outputs."""
         if len(self.sinks) == 1:
             self._forget_finished(outputs)
             self.sinks[0].stepped(outputs, first_scheduled, step_started, stats)
             return
-        mine: dict[_PipeEvents, list[RequestOutput]] = {sink: [] for sink in self.sinks}
+        mine: dict[_PipeEvents, list[RequestState]] = {sink: [] for sink in self.sinks}
         for out in outputs:
             mine[self._owner[out.request_id]].append(out)
         firsts: dict[_PipeEvents, list[str]] = {sink: [] for sink in self.sinks}
@@ -579,7 +586,7 @@ class _FrontEnds:
         for sink in self.sinks:
             sink.stepped(mine[sink], firsts[sink], step_started, stats)
 
-    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+    def _forget_finished(self, outputs: list[RequestState]) -> None:
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
@@ -632,7 +639,7 @@ def _engine_process_main(model: str | None, options: dict, log_requests: bool, l
     first_events.send(("started", CoreStart(engine.config, PoolLimits(bm.num_blocks, bm.num_host_blocks, bm.block_size),
                                             engine.stats())))
     front_ends = _FrontEnds([events for _, events in links])
-    loop = EngineLoop(engine, front_ends)
+    loop = EngineLoop(engine, front_ends, build_outputs=False)
     commands = {connection: sink for (connection, _), sink in zip(links, front_ends.sinks)}
     threading.Thread(target=_receive_commands, args=(commands, front_ends, loop), name="nanovllm-commands",
                      daemon=True).start()
