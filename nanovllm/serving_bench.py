@@ -83,27 +83,34 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
     return result
 
 
-async def send_all(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0) -> list[RequestResult]:
-    """Send every prompt with exponential gaps of mean 1/rate (all at once for rate inf)."""
+async def send_all(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
+                   ) -> tuple[list[RequestResult], float, float]:
+    """Send every prompt with exponential gaps of mean 1/rate (all at once for rate inf). Returns the results
+    and the wall-clock times of the first send and of the last response's end: the client's own set-up (the
+    import, the connection pool) is not the server's time."""
     import httpx
 
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=auth_headers()) as client:
-        tasks = []
+        start, tasks = time.time(), []
         for prompt, n in zip(prompts, out_lens):
             tasks.append(asyncio.create_task(one_request(client, url, model, prompt, n)))
             if rate != math.inf:
                 await asyncio.sleep(rng.expovariate(rate))
-        return list(await asyncio.gather(*tasks))
+        results = list(await asyncio.gather(*tasks))
+        return results, start, time.time()
 
 
 def client_share(url: str, model: str, prompts, out_lens, rate: float, seed: int, start_at: float):
-    """One client process's share (run in a child): its results, wall-clock start and end, CPU seconds."""
+    """One client process's share (run in a child): its results, wall-clock start (first send) and end (last
+    response), CPU seconds."""
+    import httpx  # noqa: F401 - imported before the start, so that the shares' first sends go out together
+
     time.sleep(max(0.0, start_at - time.time()))  # the shares start together
-    cpu, start = time.process_time(), time.time()
-    results = asyncio.run(send_all(url, model, prompts, out_lens, rate, seed))
-    return results, start, time.time(), time.process_time() - cpu
+    cpu = time.process_time()
+    results, start, end = asyncio.run(send_all(url, model, prompts, out_lens, rate, seed))
+    return results, start, end, time.process_time() - cpu
 
 
 def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0, processes: int = 1,

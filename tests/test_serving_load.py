@@ -92,6 +92,25 @@ def test_bench_client_in_several_processes_counts_every_token(server):
     assert 0 < result["server_cpu_busy"] and result["duration_s"] > 0
 
 
+def test_bench_duration_runs_from_the_first_send_to_the_last_response(server, monkeypatch):
+    """The client's own set-up (a slow connection pool here) is not the server's time: the run's duration is
+    no longer than the slowest request's end-to-end time plus a little."""
+    import httpx
+
+    from nanovllm.serving_bench import make_workload, run_rate
+
+    class SlowClient(httpx.AsyncClient):
+        def __init__(self, *args, **kwargs):
+            time.sleep(0.5)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(httpx, "AsyncClient", SlowClient)
+    prompts, out_lens = make_workload(4, 8, 4, vocab_size=1000, seed=5)
+    result = run_rate(server.url, "smollm2", prompts, out_lens, math.inf)
+    assert result["completed"] == 4
+    assert result["duration_s"] < result["e2e_s"]["p99"] + 0.2, result
+
+
 def test_sigterm_drains_requests_in_flight(server):
     body = {"prompt": PROMPTS[2], "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
     chunks: list[dict] = []
