@@ -118,8 +118,9 @@ def test_start_up_steps_of_a_sparse_policy_take_the_per_head_variants(tiny_llama
     backend.forward = forward
     if policy == "full":
         assert per_head_rows == []
-    else:  # both layouts' rows (a 32-token prefill chunk beside decode rows), every layer
-        assert sorted(set(per_head_rows)) == [33, 34]
+    else:  # both layouts' rows (a 32-token prefill chunk beside decode rows), every layer, and (no decode graphs
+        # on the CPU) the pure decode steps' rows
+        assert sorted(set(per_head_rows)) == [1, 2, 33, 34]
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
 
@@ -159,8 +160,8 @@ def test_start_up_steps_run_the_prefill_ladder(tiny_llama, monkeypatch):
     mixed_step = warm_up._mixed_step
     monkeypatch.setattr(warm_up, "_mixed_step", lambda w, q, s, *a: steps.append((q, s)) or mixed_step(w, q, s, *a))
     warm_up.compile_step_variants(llm.runner.worker)
-    assert [q for q, s in steps if len(q) == 1] == [[64], [128]]
-    assert all(q == s for q, s in steps if len(q) == 1)
+    assert [q for q, s in steps if len(q) == 1 and q != [1]] == [[64], [128]]
+    assert all(q == s for q, s in steps if len(q) == 1 and q != [1])
 
 
 def test_start_up_samples_greedy_and_random_rows_alone_and_together(tiny_llama, monkeypatch):
@@ -176,3 +177,23 @@ def test_start_up_samples_greedy_and_random_rows_alone_and_together(tiny_llama, 
         (logits.shape[0], params[0].greedy)) or sample(logits, params, *a))
     warm_up.compile_step_variants(llm.runner.worker)
     assert sorted(calls) == [(1, False), (1, True), (2, False), (2, True)]  # the last mixed step: 2 rows
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_start_up_runs_pure_decode_steps_only_without_decode_graphs(tiny_llama, monkeypatch, graphs):
+    """An engine without decode graphs (enforce_eager) compiled its pure decode steps' kernels on its first
+    decode (459 ms on the H200): start-up runs such steps then, one split and several; with graphs their
+    capture does."""
+    from nanovllm import LLM
+    from nanovllm.engine import warm_up
+
+    llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=64)
+    worker = llm.runner.worker
+    if graphs:
+        monkeypatch.setattr(worker, "graphs", object())  # stands for captured decode graphs
+    steps = []
+    mixed_step = warm_up._mixed_step
+    monkeypatch.setattr(warm_up, "_mixed_step", lambda w, q, s, *a: steps.append((q, s)) or mixed_step(w, q, s, *a))
+    warm_up.compile_step_variants(worker)
+    decode_only = [(q, s) for q, s in steps if set(q) == {1}]
+    assert decode_only == ([] if graphs else [([1], [16]), ([1, 1], [16, 511])])

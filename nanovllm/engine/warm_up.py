@@ -40,6 +40,15 @@ def mixed_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[
     return [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
 
 
+def decode_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(query_lens, seq_lens) of start-up pure decode steps, for an engine without decode graphs (whose capture
+    compiles them otherwise): one short row (one split, written directly) and a short beside a long one
+    (several splits, merged)."""
+    long_row = min(max_model_len - 1, pool_tokens, LONG_ROW)
+    short = min(SHORT_ROW, long_row)
+    return [([1], [short]), ([1, 1], [short, long_row])]
+
+
 def prefill_ladder(max_batched_tokens: int, max_model_len: int, pool_tokens: int) -> list[int]:
     """Token counts of the start-up prefill forwards: powers of two from LADDER_START below the largest
     step the scheduler makes (the forward that sized the KV pool ran that one) and what the pool holds."""
@@ -49,8 +58,9 @@ def prefill_ladder(max_batched_tokens: int, max_model_len: int, pool_tokens: int
 
 @torch.inference_mode()
 def compile_step_variants(worker) -> None:
-    """The start-up mixed steps and the prefill ladder through the model and one sampled token per row. They
-    write KV into the first blocks of the pool: at start-up no request holds them."""
+    """The start-up mixed steps (and pure decode steps when no decode graphs were captured), the prefill ladder,
+    through the model, and sampled tokens. They write KV into the first blocks of the pool: at start-up no
+    request holds them."""
     layouts = mixed_step_layouts(worker.config.max_model_len, worker.num_blocks * worker.block_size)
     for query_lens, seq_lens in layouts:
         logits = _mixed_step(worker, query_lens, seq_lens)
@@ -58,6 +68,11 @@ def compile_step_variants(worker) -> None:
         for query_lens, seq_lens in layouts:
             _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
     config = worker.config
+    if worker.graphs is None:  # enforce_eager: nothing captured the pure decode steps' kernels
+        selectors = [None] if worker.selector.dense else [None, EveryBlockPerHead()]
+        for query_lens, seq_lens in decode_step_layouts(config.max_model_len, worker.num_blocks * worker.block_size):
+            for selector in selectors:
+                _mixed_step(worker, query_lens, seq_lens, selector)
     for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
         _mixed_step(worker, [tokens], [tokens])
     _sample_rows(logits)
