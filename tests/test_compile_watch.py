@@ -197,3 +197,36 @@ def test_start_up_runs_pure_decode_steps_only_without_decode_graphs(tiny_llama, 
     warm_up.compile_step_variants(worker)
     decode_only = [(q, s) for q, s in steps if set(q) == {1}]
     assert decode_only == ([] if graphs else [([1], [16]), ([1, 1], [16, 511])])
+
+
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_start_up_of_an_offload_engine_runs_its_split_attention(tiny_llama, policy):
+    """An offload engine's start-up also runs the split attention (the rows into float32 partial results, then a
+    history pass merged in), per KV head too under a sparse policy; the outputs after it are unchanged."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.warm_up import compile_step_variants
+
+    options = dict(device="cpu", kvcache_block_size=16, num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01,
+                   max_num_batched_tokens=64, sparse_policy=policy, sparse_min_context=0)
+    prompt, params = [[5, 6, 7, 8] * 40], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(tiny_llama), **options).generate(prompt, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **options)
+    backend, calls = llm.runner.worker.backend, []
+    forward_with_lse, history = backend.forward_with_lse, backend.history_attention
+
+    def recording_forward(q, k_cache, v_cache, meta, scale, out=None):
+        if out is not None:
+            calls.append(("rows", out[0].dtype, meta.seq_lens_tensor.dim()))
+        return forward_with_lse(q, k_cache, v_cache, meta, scale, out=out)
+
+    def recording_history(q, k_cache, v_cache, meta, scale, out):
+        calls.append(("history", out[0].dtype, meta.seq_lens_tensor.dim()))
+        return history(q, k_cache, v_cache, meta, scale, out)
+
+    backend.forward_with_lse, backend.history_attention = recording_forward, recording_history
+    compile_step_variants(llm.runner.worker)
+    backend.forward_with_lse, backend.history_attention = forward_with_lse, history
+    per_head = [1] if policy == "full" else [1, 2]
+    assert sorted(set(calls)) == sorted((kind, torch.float32, d) for kind in ("history", "rows") for d in per_head)
+    assert len(calls) == 2 * 2 * len(per_head)  # both layouts, rows and history
+    assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids

@@ -11,7 +11,8 @@ sparse prefill 1.6 s for one. Then prefill forwards at a ladder of token counts:
 loading (torch's default) the first forward of a new token count loads the GEMM kernels picked for it
 (a first 1K prompt waited 7-21 ms for them, nothing compiled; docs/BENCHMARKS.md). Last, greedy and
 temperature sampling of a single row and of several: the first greedy token of a fresh engine waited
-8 ms for the argmax kernel to load (torch.profiler, H200).
+8 ms for the argmax kernel to load (torch.profiler, H200). An offload engine also runs its split attention
+(float32 partial results, a history pass merged in), whose kernel variants the device-only steps do not meet.
 """
 from __future__ import annotations
 
@@ -75,7 +76,33 @@ def compile_step_variants(worker) -> None:
                 _mixed_step(worker, query_lens, seq_lens, selector)
     for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
         _mixed_step(worker, [tokens], [tokens])
+    if worker.host_pool is not None:  # offload: steps that split their attention merge float32 partial results
+        for (query_lens, seq_lens), per_head in itertools.product(layouts, [False] if worker.selector.dense else [False, True]):
+            _split_attention(worker, query_lens, seq_lens, per_head)
     _sample_rows(logits)
+
+
+def _split_attention(worker, query_lens: list[int], seq_lens: list[int], per_head: bool) -> None:
+    """An offload step's split attention over the pool's first blocks: the rows over their own blocks (causal)
+    and a history pass (non-causal, merged in), both into float32 (out, LSE), with the dense tables or per
+    KV head. Its kernel variants (float32 outputs, the history's) are not the device-only steps' (a first
+    Quest offload request compiled two, 1.7 s, on the H200)."""
+    backend, block_size = worker.backend, worker.block_size
+    k_cache, v_cache = worker.kv_cache.layer(0)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_heads = worker.model.config.num_heads
+    table = list(range(-(-max(seq_lens) // block_size)))
+    if per_head:
+        tables = torch.tensor([table] * len(seq_lens), device=worker.device)[:, None, :].expand(-1, num_kv_heads, -1)
+        lengths = torch.tensor(seq_lens, device=worker.device)[:, None].expand(-1, num_kv_heads)
+        meta = backend.build_head_metadata(query_lens, lengths, tables, block_size, worker.device, max_seq_lens=seq_lens)
+    else:
+        meta = backend.build_metadata(query_lens, seq_lens, [table] * len(seq_lens), [], block_size, worker.device)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=k_cache.dtype, device=worker.device)
+    out = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+           torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
+    backend.forward_with_lse(q, k_cache, v_cache, meta, head_dim ** -0.5, out=out)
+    backend.history_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, out)
 
 
 def _sample_rows(logits: torch.Tensor) -> None:
