@@ -181,3 +181,44 @@ def test_a_server_that_cannot_bind_exits_1_and_ends_its_engine_process(tiny_llam
         assert second.returncode == 1 and "address already in use" in second.stderr, second.stderr[-2000:]
     finally:
         first.stop()
+
+
+@pytest.mark.parametrize("build_outputs", [True, False])
+def test_the_engine_loop_reports_each_request_first_scheduled_once_at_its_admission(tiny_llama, build_outputs):
+    """With more requests than running slots, each request is reported first-scheduled exactly once, in the step
+    that first computed any of its tokens (read from the step's admissions, not a scan of every queued request)."""
+    from nanovllm.server.engine_core import EngineLoop
+
+    llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_seqs=2)
+    reported: list[tuple[int, list[str]]] = []
+
+    class Events:
+        def __getattr__(self, name):
+            return lambda *args: None
+
+        def stepped(self, outputs, first_scheduled, started, stats):
+            reported.append((len(reported), list(first_scheduled)))
+
+    loop = EngineLoop(llm, Events(), build_outputs=build_outputs)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for i in range(5):
+        loop.post(("add", f"r{i}", [3 + i, 4, 5, 6] * 3, params))
+    loop.post(("abort", "r4"))  # still queued: never reported
+    computed_at: dict[str, int] = {}
+    original_step = loop._step
+
+    def step():
+        outputs = original_step()
+        for rid, req in list(llm.requests.items()):
+            if req.seq.num_computed_tokens > 0:
+                computed_at.setdefault(rid, len(reported))
+        for out in outputs:
+            computed_at.setdefault(out.request_id, len(reported))
+        return outputs
+
+    loop._step = step
+    loop.stop()
+    loop.run()
+    firsts = [(step_index, rid) for step_index, ids in reported for rid in ids]
+    assert sorted(rid for _, rid in firsts) == ["r0", "r1", "r2", "r3"]
+    assert {rid: step_index for step_index, rid in firsts} == computed_at

@@ -226,6 +226,12 @@ class LLMEngine:
         RequestOutput per running request per step was a fifth of its time (py-spy, H200)."""
         return self._step(final_only=False)
 
+    def admitted_seq_ids(self) -> list[int]:
+        """The sequences the latest step took from the waiting queue (a first admission, or one after a
+        preemption): with the engine's FIFO queue, what a caller timing the queue reads instead of scanning
+        every waiting request per step."""
+        return [seq.seq_id for seq in self.scheduler.admitted]
+
     def _step(self, final_only: bool) -> list[RequestState]:
         """The requests that got a token in this step, each once; final_only only those that finished (offline
         generate). Raises StepFailed after aborting a failed step's batch."""

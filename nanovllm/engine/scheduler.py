@@ -38,6 +38,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.admitted: list[Sequence] = []  # taken from the waiting queue by the latest schedule()
         self.num_preemptions = 0
 
     def has_unfinished(self) -> bool:
@@ -53,6 +54,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        self.admitted = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -86,6 +88,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.admitted.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled

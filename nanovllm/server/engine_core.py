@@ -79,7 +79,9 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._stopping = False
         self._live: set[str] = set()  # admitted and not yet ended
-        self._unscheduled: set[str] = set()  # admitted, first step not yet run (for the queue-time metric)
+        # admitted, first step not yet run (for the queue-time metric): by sequence id, and back
+        self._unscheduled: dict[int, str] = {}
+        self._unscheduled_seq: dict[str, int] = {}
         self._failed_steps_in_a_row = 0
         self.failed = False  # run() ended because the engine broke
 
@@ -139,7 +141,8 @@ class EngineLoop:
             self.events.refused(request_id, RequestFailed(f"the engine could not admit the request: {e!r}"))
             return
         self._live.add(request_id)
-        self._unscheduled.add(request_id)
+        seq_id = self.engine.requests[request_id].seq.seq_id
+        self._unscheduled[seq_id], self._unscheduled_seq[request_id] = request_id, seq_id
         self.events.accepted(request_id)
 
     def _step(self) -> list[RequestOutput] | list[RequestState]:
@@ -165,18 +168,20 @@ class EngineLoop:
         return outputs
 
     def _first_scheduled(self) -> list[str]:
-        """Requests whose first step was the one just run (or that are gone since)."""
+        """Requests whose first step was the one just run: those the step took from the waiting queue for the
+        first time (a scan of every unscheduled request cost 3 ms per step with 2,000 queued, CPU)."""
         if not self._unscheduled:
             return []
-        requests = self.engine.requests
-        done = [rid for rid in self._unscheduled
-                if rid not in requests or requests[rid].seq.num_computed_tokens > 0]
-        self._unscheduled.difference_update(done)
+        done = [self._unscheduled.pop(seq_id) for seq_id in self.engine.admitted_seq_ids() if seq_id in self._unscheduled]
+        for request_id in done:
+            del self._unscheduled_seq[request_id]
         return done
 
     def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)
-        self._unscheduled.discard(request_id)
+        seq_id = self._unscheduled_seq.pop(request_id, None)
+        if seq_id is not None:
+            del self._unscheduled[seq_id]
 
 
 class ThreadCore:
