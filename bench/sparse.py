@@ -15,7 +15,7 @@
   alternating, with the density each prompt got (real attention patterns, unlike random weights).
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
-        [--skip-prefill] [--skip-offload] [--skip-gpu-only]
+        [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages] [--profile-kernels]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
 """
