@@ -35,9 +35,8 @@ def mixed_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[
     """(query_lens, seq_lens) of the start-up mixed steps: a prefill chunk beside decode rows whose longest
     is long (the decode kernel over chosen rows in several splits, and their merge) and beside a short one
     only (one split: the kernel writes its result directly, another variant)."""
-    long_row = min(max_model_len - 1, pool_tokens, LONG_ROW)
+    long_row, short = _decode_row_lengths(max_model_len, pool_tokens)
     prefill = min(PREFILL_ROWS, long_row)
-    short = min(SHORT_ROW, long_row)
     return [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
 
 
@@ -45,9 +44,14 @@ def decode_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list
     """(query_lens, seq_lens) of start-up pure decode steps, for an engine without decode graphs (whose capture
     compiles them otherwise): one short row (one split, written directly) and a short beside a long one
     (several splits, merged)."""
-    long_row = min(max_model_len - 1, pool_tokens, LONG_ROW)
-    short = min(SHORT_ROW, long_row)
+    long_row, short = _decode_row_lengths(max_model_len, pool_tokens)
     return [([1], [short]), ([1, 1], [short, long_row])]
+
+
+def _decode_row_lengths(max_model_len: int, pool_tokens: int) -> tuple[int, int]:
+    """Keys of the long and of the short decode row of the start-up steps."""
+    long_row = min(max_model_len - 1, pool_tokens, LONG_ROW)
+    return long_row, min(SHORT_ROW, long_row)
 
 
 def prefill_ladder(max_batched_tokens: int, max_model_len: int, pool_tokens: int) -> list[int]:
