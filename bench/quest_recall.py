@@ -8,6 +8,11 @@ the most recent block (both always kept), the share on its KV head's chosen bloc
 - group max: Quest as built (the page upper bound of each query head, the maximum over the query heads of
   a KV-head group, the top blocks per KV head);
 - head union: each query head's own top blocks (budget / group size of them), united per KV head;
+- group softmax: each query head's page bounds turned into a distribution (softmax at the attention's scale),
+  summed over the group (an estimate of the group's mass, as the oracle sums the true one): the same key
+  bounds, no head dominating by the size of its scores;
+- midpoint softmax: the same over q . (min + max) / 2 per page (an estimate of a page's typical score, not a
+  bound), from the same per-page minima and maxima;
 - oracle: the blocks holding the most true mass of the group (the best any rule could do).
 
 Any block size can be simulated from one run (the keys do not depend on it). Prints, per rule, the mean
@@ -72,15 +77,16 @@ def head_block_mass(r: DecodeRecord, block: int) -> torch.Tensor:
     return blocks_sum(p, block)
 
 
-def head_block_bound(r: DecodeRecord, block: int) -> torch.Tensor:
-    """Quest's upper bound of each query head on each block (the maximum over its 16-token pages): [Hq, blocks]."""
+def head_block_bound(r: DecodeRecord, block: int, midpoint: bool = False) -> torch.Tensor:
+    """Quest's upper bound of each query head on each block (the maximum over its 16-token pages): [Hq, blocks];
+    with `midpoint` q . (min + max) / 2 per page instead of the bound."""
     n, num_kv, dim = r.keys.shape
     pages = -(-n // QUEST_PAGE_SIZE)
     padded = torch.cat([r.keys, r.keys[-1:].expand(pages * QUEST_PAGE_SIZE - n, num_kv, dim)])
     lo, hi = (f(padded.view(pages, QUEST_PAGE_SIZE, num_kv, dim), 1) for f in (torch.amin, torch.amax))
     group = r.q.shape[0] // num_kv
     lo, hi = lo.repeat_interleave(group, 1), hi.repeat_interleave(group, 1)  # [pages, Hq, D]
-    page_bound = torch.maximum(r.q * hi, r.q * lo).sum(-1).T  # [Hq, pages]
+    page_bound = (r.q * (lo + hi) / 2 if midpoint else torch.maximum(r.q * hi, r.q * lo)).sum(-1).T  # [Hq, pages]
     per_block = block // QUEST_PAGE_SIZE
     blocks = -(-n // block)
     padded_bound = torch.full((page_bound.shape[0], blocks * per_block), float("-inf"))
@@ -105,12 +111,22 @@ def choose(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return keep
 
 
-def selections(mass: torch.Tensor, bound: torch.Tensor, num_kv: int, budget: int) -> dict[str, torch.Tensor]:
+def selections(mass: torch.Tensor, bound: torch.Tensor, midpoint: torch.Tensor, scale: float, num_kv: int,
+               budget: int) -> dict[str, torch.Tensor]:
     """Per rule, keep [Hk, blocks]."""
     group = mass.shape[0] // num_kv
+
+    def group_softmax(scores: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(scores[:, 1:-1] * scale, -1).view(num_kv, group, -1).sum(1)
+
+    def with_ends(middle: torch.Tensor) -> torch.Tensor:  # the sink and the recent block are kept anyway
+        return torch.nn.functional.pad(middle, (1, 1))
+
     union = choose(bound, max(1, budget // group)).view(num_kv, group, -1).any(1)
     return {"group max": choose(bound.view(num_kv, group, -1).amax(1), budget),
             "head union": union,
+            "group softmax": choose(with_ends(group_softmax(bound)), budget),
+            "midpoint softmax": choose(with_ends(group_softmax(midpoint)), budget),
             "oracle": choose(mass.view(num_kv, group, -1).sum(1), budget)}
 
 
@@ -139,9 +155,9 @@ def evaluate(records: list[DecodeRecord], block: int, budget_tokens: int,
     for r in records:
         if r.layer < dense_layers or math.ceil(r.keys.shape[0] / block) <= budget + 2:
             continue
-        mass, bound = head_block_mass(r, block), head_block_bound(r, block)
+        mass, bound, midpoint = head_block_mass(r, block), head_block_bound(r, block), head_block_bound(r, block, True)
         needle_blocks = sorted({p // block for p in r.needle})
-        for rule, keep in selections(mass, bound, r.keys.shape[1], budget).items():
+        for rule, keep in selections(mass, bound, midpoint, r.scale, r.keys.shape[1], budget).items():
             kept = kept_mass(mass, keep)
             total = totals.setdefault(rule, [0.0, 0.0, 0.0, 0, 0])
             total[0] += kept.mean().item()
