@@ -81,7 +81,8 @@ def compile_step_variants(worker) -> None:
     for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
         _mixed_step(worker, [tokens], [tokens])
     if worker.host_pool is not None:  # offload: steps that split their attention merge float32 partial results
-        for (query_lens, seq_lens), per_head in itertools.product(layouts, [False] if worker.selector.dense else [False, True]):
+        tables = [False] if worker.selector.dense else [False, True]  # dense, and per KV head
+        for (query_lens, seq_lens), per_head in itertools.product(layouts, tables):
             _split_attention(worker, query_lens, seq_lens, per_head)
     _sample_rows(logits)
 
@@ -94,12 +95,14 @@ def _split_attention(worker, query_lens: list[int], seq_lens: list[int], per_hea
     backend, block_size = worker.backend, worker.block_size
     k_cache, v_cache = worker.kv_cache.layer(0)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    num_heads = worker.model.config.num_heads
+    mc = worker.model.config
+    num_heads = num_kv_heads * (mc.num_heads // mc.num_kv_heads)  # this rank's heads under tensor parallelism
     table = list(range(-(-max(seq_lens) // block_size)))
     if per_head:
         tables = torch.tensor([table] * len(seq_lens), device=worker.device)[:, None, :].expand(-1, num_kv_heads, -1)
         lengths = torch.tensor(seq_lens, device=worker.device)[:, None].expand(-1, num_kv_heads)
-        meta = backend.build_head_metadata(query_lens, lengths, tables, block_size, worker.device, max_seq_lens=seq_lens)
+        meta = backend.build_head_metadata(query_lens, lengths, tables, block_size, worker.device,
+                                           max_seq_lens=seq_lens)
     else:
         meta = backend.build_metadata(query_lens, seq_lens, [table] * len(seq_lens), [], block_size, worker.device)
     q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=k_cache.dtype, device=worker.device)
