@@ -181,7 +181,8 @@ class QuestSelector(BlockSelector):
     def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                            pages: bool = False) -> torch.Tensor:
         """[B, Hk, blocks] upper bounds of each sequence's query q [B, Hq, D] on its blocks (-inf past its
-        keys); pages: on each page, [B, Hk, blocks * pages_per_block]. Per dimension max(q*max, q*min) is
+        keys); pages: on each page, [B, Hk, blocks * pages_per_block]. With group "midpoint-softmax" each query
+        head's midpoint scores instead, [B, Hk, group, columns]. Per dimension max(q*max, q*min) is
         q+ * max + q- * min (max >= min), so the bound of a page is two matrix products. On CUDA one
         Triton kernel reads the bounds through the tables (kernels/triton_quest.py); this is its reference."""
         if q.is_cuda and self.group == "max":
@@ -208,7 +209,8 @@ class QuestSelector(BlockSelector):
 
     def block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput,
                      i: int) -> torch.Tensor:
-        """[Hk, num_blocks] upper bounds of sequence i's query q [Hq, D] on each of its blocks."""
+        """[Hk, num_blocks] upper bounds of sequence i's query q [Hq, D] on each of its blocks ([Hk, group,
+        num_blocks] midpoint scores with group "midpoint-softmax")."""
         n = batch.num_blocks(i)
         lo, hi = self.bounds.block_pages(layer, batch.block_tables[i][:n], batch.on_host[i][:n] if batch.on_host else None)
         group = q.shape[0] // num_kv_heads
