@@ -59,26 +59,36 @@ def brute_force_quest(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_
     return keep
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_quest_selection_equals_brute_force(seed):
-    """Random keys written through the cache's write hook (some blocks moved to the host pool), GQA 3:1,
-    block size 32 with 16-token pages, a partial last block: the selection equals the definition's."""
+ONE_SEQ_BS, ONE_SEQ_KV_HEADS, ONE_SEQ_LEN = 32, 2, 6 * 32 + 9
+
+
+def one_sequence_quest_inputs(seed: int) -> tuple[BlockKeyBounds, torch.Tensor, torch.Tensor, SelectionInput]:
+    """(bounds, keys [seq_len, Hk, D], q [1, Hq, D], batch) of one sequence: random keys written through the
+    cache's write hook in chunks (as prefill and decode steps do), GQA 3:1, block size 32 with 16-token pages,
+    a partial last block, blocks 1 and 3 moved to host blocks 4 and 1."""
     g = torch.Generator().manual_seed(seed)
-    layers, num_kv_heads, group, dim, bs = 1, 2, 3, 8, 32
+    layers, num_kv_heads, group, dim, bs = 1, ONE_SEQ_KV_HEADS, 3, 8, ONE_SEQ_BS
     cache = PagedKVCache(layers, 12, bs, num_kv_heads, dim, torch.float32, torch.device("cpu"))
     bounds = BlockKeyBounds(layers, 12, 6, bs, num_kv_heads, dim, torch.device("cpu"), page_size=16)
     cache.hooks.append(bounds)
-    table, seq_len = [5, 2, 9, 0, 7, 11, 3], 6 * bs + 9
+    table, seq_len = [5, 2, 9, 0, 7, 11, 3], ONE_SEQ_LEN
     keys = torch.randn(seq_len, num_kv_heads, dim, generator=g)
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])
-    for start in range(0, seq_len, 20):  # written in chunks, as prefill and decode steps do
+    for start in range(0, seq_len, 20):
         cache.write(0, keys[start : start + 20], keys[start : start + 20], slots[start : start + 20])
-    cache.moved_to_host([(2, 4), (0, 1)])  # blocks 1 and 3 of the sequence now live in host blocks 4 and 1
-    located = [5, 4, 9, 1, 7, 11, 3]
-    on_host = [False, True, False, True, False, False, False]
+    cache.moved_to_host([(2, 4), (0, 1)])
+    located, on_host = [5, 4, 9, 1, 7, 11, 3], [False, True, False, True, False, False, False]
     q = torch.randn(1, num_kv_heads * group, dim, generator=g)
+    return bounds, keys, q, SelectionInput([1], [seq_len], bs, [located], [on_host])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quest_selection_equals_brute_force(seed):
+    """One sequence's keys (some blocks on the host, a partial last block, GQA 3:1, 16-token pages): the
+    selection equals the definition's."""
+    bounds, keys, q, batch = one_sequence_quest_inputs(seed)
+    num_kv_heads, bs, seq_len = ONE_SEQ_KV_HEADS, ONE_SEQ_BS, ONE_SEQ_LEN
     selector = QuestSelector(bounds, token_budget=2 * bs, dense_layers=0, min_context=0)
-    batch = SelectionInput([1], [seq_len], bs, [located], [on_host])
     got = selector.select(0, q, num_kv_heads, batch)[0]
     assert torch.equal(got, brute_force_quest(keys, q[0], seq_len, budget_blocks=2, bs=bs))
     assert got.sum(1).tolist() == [4, 4]  # sink + 2 + the most recent block, per KV head
@@ -949,20 +959,10 @@ def test_quest_midpoint_softmax_pages_equal_its_definition(seed, offload):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_quest_midpoint_softmax_blocks_equal_its_definition(seed):
     """quest_group="midpoint-softmax" in select() (blocks, per sequence), some blocks on the host."""
-    g = torch.Generator().manual_seed(seed)
-    layers, num_kv_heads, group, dim, bs = 1, 2, 3, 8, 32
-    cache = PagedKVCache(layers, 12, bs, num_kv_heads, dim, torch.float32, torch.device("cpu"))
-    bounds = BlockKeyBounds(layers, 12, 6, bs, num_kv_heads, dim, torch.device("cpu"), page_size=16)
-    cache.hooks.append(bounds)
-    table, seq_len = [5, 2, 9, 0, 7, 11, 3], 6 * bs + 9
-    keys = torch.randn(seq_len, num_kv_heads, dim, generator=g)
-    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])
-    cache.write(0, keys, keys, slots)
-    cache.moved_to_host([(2, 4), (0, 1)])
-    located, on_host = [5, 4, 9, 1, 7, 11, 3], [False, True, False, True, False, False, False]
-    q = torch.randn(1, num_kv_heads * group, dim, generator=g)
+    bounds, keys, q, batch = one_sequence_quest_inputs(seed)
+    num_kv_heads, bs, seq_len = ONE_SEQ_KV_HEADS, ONE_SEQ_BS, ONE_SEQ_LEN
     selector = QuestSelector(bounds, token_budget=2 * bs, dense_layers=0, min_context=0, group="midpoint-softmax")
-    got = selector.select(0, q, num_kv_heads, SelectionInput([1], [seq_len], bs, [located], [on_host]))[0]
+    got = selector.select(0, q, num_kv_heads, batch)[0]
     assert torch.equal(got, brute_force_midpoint_softmax(keys, q[0], seq_len, 2, bs, bs))
 
 
