@@ -15,6 +15,10 @@ the most recent block (both always kept), the share on its KV head's chosen bloc
   bound), from the same per-page minima and maxima;
 - oracle: the blocks holding the most true mass of the group (the best any rule could do).
 
+The share of mass kept is a proxy, not the accuracy: the midpoint softmax kept 0.94-0.97x of the oracle's mass
+on Qwen 16K where the group max kept 0.81-0.88x, and lost more RULER points than the group max in every cell on
+the H200 (docs/BENCHMARKS.md, sixteenth session).
+
 Any block size can be simulated from one run (the keys do not depend on it). Prints, per rule, the mean
 share kept, the mean of the worst query head's share (retrieval needs every head's), each as a ratio of
 the oracle's, and the share of the mass on the needle's blocks (the answer's tokens in the prompt) kept. CPU or GPU:

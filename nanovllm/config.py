@@ -10,7 +10,6 @@ from typing import Any
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 SPARSE_POLICIES = ("full", "xattention", "quest", "xattention+quest")
 XATTN_COVERS = ("group", "head")
-QUEST_GROUPS = ("max", "midpoint-softmax")
 _DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "vllm")
 NOT_OPTIONS = ("model", "model_path", "hf_config")
@@ -51,10 +50,6 @@ class EngineConfig:
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
     quest_page_select: bool = True  # Quest: decode steps keep each KV head's top 16-token pages, not blocks
-    # Quest: how a KV head ranks its pages from its query heads. "max": the largest of their upper bounds (the
-    # Quest paper's rule); "midpoint-softmax": each query head's softmax of q . (min + max) / 2 over the
-    # pages, summed (bench/quest_recall.py on Qwen2.5-0.5B at 16K: 0.94-0.97x of an oracle's mass against 0.81-0.88x)
-    quest_group: str = "max"
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)
@@ -151,8 +146,6 @@ class EngineConfig:
         _positive_int("quest_token_budget", self.quest_token_budget)
         if not isinstance(self.quest_page_select, bool):
             raise ValueError(f"quest_page_select must be a bool, got {self.quest_page_select!r}")
-        if self.quest_group not in QUEST_GROUPS:
-            raise ValueError(f"quest_group must be one of {QUEST_GROUPS}, got {self.quest_group!r}")
         for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

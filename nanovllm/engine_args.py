@@ -25,8 +25,6 @@ _HELP = {
     "quest_dense_layers": "Quest: the first N layers stay dense",
     "quest_page_select": "Quest: decode steps keep each KV head's top 16-token pages within the budget (plus the "
                          "sink and recent blocks' pages) instead of its top KV blocks (default: on)",
-    "quest_group": "Quest: how a KV head ranks pages from its query heads: max (the largest upper bound, default) or "
-                   "midpoint-softmax (the sum of each query head's softmax of q . (min + max) / 2; decode steps eager)",
     "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",

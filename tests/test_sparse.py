@@ -31,7 +31,6 @@ BS = 16
     ("quest_token_budget", 0, "quest_token_budget must be a positive integer"),
     ("quest_dense_layers", -1, "quest_dense_layers must be an integer >= 0"),
     ("quest_page_select", 1, "quest_page_select must be a bool"),
-    ("quest_group", "mean", r"quest_group must be one of \('max', 'midpoint-softmax'\)"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
 ])
 def test_bad_sparse_options_name_the_limit(tiny_llama, option, value, message):
@@ -59,36 +58,26 @@ def brute_force_quest(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_
     return keep
 
 
-ONE_SEQ_BS, ONE_SEQ_KV_HEADS, ONE_SEQ_LEN = 32, 2, 6 * 32 + 9
-
-
-def one_sequence_quest_inputs(seed: int) -> tuple[BlockKeyBounds, torch.Tensor, torch.Tensor, SelectionInput]:
-    """(bounds, keys [seq_len, Hk, D], q [1, Hq, D], batch) of one sequence: random keys written through the
-    cache's write hook in chunks (as prefill and decode steps do), GQA 3:1, block size 32 with 16-token pages,
-    a partial last block, blocks 1 and 3 moved to host blocks 4 and 1."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quest_selection_equals_brute_force(seed):
+    """Random keys written through the cache's write hook (some blocks moved to the host pool), GQA 3:1,
+    block size 32 with 16-token pages, a partial last block: the selection equals the definition's."""
     g = torch.Generator().manual_seed(seed)
-    layers, num_kv_heads, group, dim, bs = 1, ONE_SEQ_KV_HEADS, 3, 8, ONE_SEQ_BS
+    layers, num_kv_heads, group, dim, bs = 1, 2, 3, 8, 32
     cache = PagedKVCache(layers, 12, bs, num_kv_heads, dim, torch.float32, torch.device("cpu"))
     bounds = BlockKeyBounds(layers, 12, 6, bs, num_kv_heads, dim, torch.device("cpu"), page_size=16)
     cache.hooks.append(bounds)
-    table, seq_len = [5, 2, 9, 0, 7, 11, 3], ONE_SEQ_LEN
+    table, seq_len = [5, 2, 9, 0, 7, 11, 3], 6 * bs + 9
     keys = torch.randn(seq_len, num_kv_heads, dim, generator=g)
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(seq_len)])
-    for start in range(0, seq_len, 20):
+    for start in range(0, seq_len, 20):  # written in chunks, as prefill and decode steps do
         cache.write(0, keys[start : start + 20], keys[start : start + 20], slots[start : start + 20])
-    cache.moved_to_host([(2, 4), (0, 1)])
-    located, on_host = [5, 4, 9, 1, 7, 11, 3], [False, True, False, True, False, False, False]
+    cache.moved_to_host([(2, 4), (0, 1)])  # blocks 1 and 3 of the sequence now live in host blocks 4 and 1
+    located = [5, 4, 9, 1, 7, 11, 3]
+    on_host = [False, True, False, True, False, False, False]
     q = torch.randn(1, num_kv_heads * group, dim, generator=g)
-    return bounds, keys, q, SelectionInput([1], [seq_len], bs, [located], [on_host])
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_quest_selection_equals_brute_force(seed):
-    """One sequence's keys (some blocks on the host, a partial last block, GQA 3:1, 16-token pages): the
-    selection equals the definition's."""
-    bounds, keys, q, batch = one_sequence_quest_inputs(seed)
-    num_kv_heads, bs, seq_len = ONE_SEQ_KV_HEADS, ONE_SEQ_BS, ONE_SEQ_LEN
     selector = QuestSelector(bounds, token_budget=2 * bs, dense_layers=0, min_context=0)
+    batch = SelectionInput([1], [seq_len], bs, [located], [on_host])
     got = selector.select(0, q, num_kv_heads, batch)[0]
     assert torch.equal(got, brute_force_quest(keys, q[0], seq_len, budget_blocks=2, bs=bs))
     assert got.sum(1).tolist() == [4, 4]  # sink + 2 + the most recent block, per KV head
@@ -903,83 +892,3 @@ def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_ll
     if offload:
         read = beside.metrics.host_kv_bytes_read + other.metrics.host_kv_bytes_read
         assert read == llm.runner.host_pool.stats.h2d_bytes > 0
-
-
-def brute_force_midpoint_softmax(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget: int, column: int,
-                                 bs: int) -> torch.Tensor:
-    """quest_group="midpoint-softmax" by its definition, one query head at a time: each 16-token page scored by
-    q . (min + max) / 2 of its keys, a column (a page, or a block: its best page) by its pages, each query
-    head's softmax (scale 1/sqrt(D)) over the columns between the first and the last block, summed over the
-    KV head's query heads; the sink and last block's columns and the budget's best others kept."""
-    num_kv_heads, group, dim = keys.shape[1], q.shape[0] // keys.shape[1], keys.shape[2]
-    n, per_block = -(-seq_len // bs), bs // column
-    first, end = per_block, (n - 1) * per_block  # the middle columns
-    keep = torch.zeros(num_kv_heads, n * per_block, dtype=torch.bool)
-    keep[:, :first] = keep[:, end:] = True
-    for kv in range(num_kv_heads):
-        mass = torch.zeros(end - first, dtype=torch.float64)
-        for h in range(kv * group, (kv + 1) * group):
-            scores = []
-            for c in range(first, end):
-                best = float("-inf")
-                for start in range(c * column, min((c + 1) * column, seq_len), 16):
-                    page = keys[start : min(start + 16, seq_len), kv].double()
-                    best = max(best, float(q[h].double() @ ((page.amin(0) + page.amax(0)) / 2)))
-                scores.append(best)
-            mass += torch.softmax(torch.tensor(scores, dtype=torch.float64) / dim ** 0.5, 0)
-        keep[kv, first + mass.topk(min(budget, end - first)).indices] = True
-    return keep
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("offload", [False, True], ids=["device", "host-blocks"])
-def test_quest_midpoint_softmax_pages_equal_its_definition(seed, offload):
-    """quest_group="midpoint-softmax": decode_keep (the step's layout) and narrow (a graph's padded tables) keep,
-    per KV head, the definition's pages, from bounds kept on the device and the host alike."""
-    from nanovllm.layers.block_selector import DecodeLayout
-
-    step, budget, base = PageStep(seed, offload), 5, 1000
-    step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))
-    batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
-    selector = QuestSelector(step.bounds, token_budget=16 * budget, dense_layers=0, min_context=0, page_select=True,
-                             group="midpoint-softmax")
-    assert not selector.narrows  # no narrowed graphs for it yet: its steps run eagerly
-    layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=base)
-    keep, _ = selector.decode_keep(0, step.q, PAGE_HK, layout)
-    sparse = selector.sparse_rows(PAGE_BS, step.SEQ_LENS)
-    for i, (k, q, n) in enumerate(zip(step.k, step.q, step.SEQ_LENS)):
-        if not sparse[i]:
-            continue
-        want = brute_force_midpoint_softmax(k, q, n, budget, 16, PAGE_BS)
-        assert torch.equal(keep[i, :, : want.shape[1]], want) and not keep[i, :, want.shape[1]:].any()
-    got = selector.narrow(0, step.q, PAGE_HK, layout)
-    assert torch.equal(got[[i for i, s in enumerate(sparse) if s]], keep[[i for i, s in enumerate(sparse) if s]])
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_quest_midpoint_softmax_blocks_equal_its_definition(seed):
-    """quest_group="midpoint-softmax" in select() (blocks, per sequence), some blocks on the host."""
-    bounds, keys, q, batch = one_sequence_quest_inputs(seed)
-    num_kv_heads, bs, seq_len = ONE_SEQ_KV_HEADS, ONE_SEQ_BS, ONE_SEQ_LEN
-    selector = QuestSelector(bounds, token_budget=2 * bs, dense_layers=0, min_context=0, group="midpoint-softmax")
-    got = selector.select(0, q, num_kv_heads, batch)[0]
-    assert torch.equal(got, brute_force_midpoint_softmax(keys, q[0], seq_len, 2, bs, bs))
-
-
-def test_quest_midpoint_softmax_with_a_budget_covering_the_context_equals_full_attention(tiny_llama):
-    """The engine option end to end (offload, eager decode steps): with the whole context in the budget the
-    tokens and logprobs equal full attention's."""
-    prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(2)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    options = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_gpu_blocks=24, enable_cpu_offload=True,
-                   cpu_kv_cache_gb=0.01, sparse_min_context=0)
-    want = LLM(str(tiny_llama), **options).generate(prompts, params, use_tqdm=False)
-    got = LLM(str(tiny_llama), sparse_policy="quest", quest_group="midpoint-softmax", quest_token_budget=4096,
-              quest_dense_layers=0, **options).generate(prompts, params, use_tqdm=False)
-    for w, o in zip(want, got):
-        assert o.token_ids == w.token_ids
-        for a, b in zip(w.outputs[0].logprobs, o.outputs[0].logprobs):
-            assert abs(a[next(iter(a))] - b[next(iter(a))]) < 1e-4
-    narrow = LLM(str(tiny_llama), sparse_policy="quest", quest_group="midpoint-softmax", quest_token_budget=32,
-                 quest_dense_layers=0, **options).generate(prompts, params, use_tqdm=False)
-    assert all(len(o.token_ids) == 8 and o.metrics.decode_density < 0.5 for o in narrow)  # it did narrow

@@ -46,19 +46,14 @@ class QuestSelector(BlockSelector):
     narrows = True
 
     def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
-                 sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False, group: str = "max"):
+                 sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False):
         """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
         (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
         pages; select() keeps selecting blocks (the strategies send a mixed step's decode rows to
-        decode_keep too, `MixedRows`). group: how a KV head scores a column from its query heads, "max" of
-        their upper bounds, or "midpoint-softmax": per query head q . (min + max) / 2 of each page (a block:
-        its best page), a softmax over the columns between the sink and the recent blocks, summed over the
-        group. The latter has no score kernel or narrowed graphs yet: its decode steps run eagerly."""
+        decode_keep too, `MixedRows`)."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
-        self.group = group
-        self.narrows = group == "max"
         if bounds.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
 
@@ -74,9 +69,7 @@ class QuestSelector(BlockSelector):
                 masks.append(None)
                 continue
             scores = self.block_scores(layer, q[batch.query_rows(i)][0], num_kv_heads, batch, i)
-            middle = scores[..., self.sink_blocks : n - self.recent_blocks]
-            if self.group != "max":  # [Hk, group, blocks] -> the group's summed softmax over the middle
-                middle = _group_softmax(middle, q.shape[-1])
+            middle = scores[:, self.sink_blocks : n - self.recent_blocks]
             keep = torch.ones(num_kv_heads, n, dtype=torch.bool, device=q.device)
             keep[:, self.sink_blocks : n - self.recent_blocks] = False
             keep.scatter_(1, middle.topk(budget, dim=1).indices + self.sink_blocks, True)
@@ -170,8 +163,6 @@ class QuestSelector(BlockSelector):
         block = torch.arange(scores.shape[-1], device=scores.device) // per_block
         num_blocks = layout.valid.sum(1, keepdim=True)  # [B, 1]
         middle = (block >= self.sink_blocks) & (block < num_blocks - self.recent_blocks)  # [B, columns]
-        if self.group != "max":  # [B, Hk, group, columns] -> the group's summed softmax over each row's middle
-            scores = _group_softmax(scores.masked_fill(~middle[:, None, None, :], float("-inf")), q.shape[-1])
         budget = min(self._budget(layout.block_size), scores.shape[-1])  # a graph's tables narrower than the budget
         top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1).indices
         keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
@@ -181,11 +172,10 @@ class QuestSelector(BlockSelector):
     def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                            pages: bool = False) -> torch.Tensor:
         """[B, Hk, blocks] upper bounds of each sequence's query q [B, Hq, D] on its blocks (-inf past its
-        keys); pages: on each page, [B, Hk, blocks * pages_per_block]. With group "midpoint-softmax" each query
-        head's midpoint scores instead, [B, Hk, group, columns]. Per dimension max(q*max, q*min) is
+        keys); pages: on each page, [B, Hk, blocks * pages_per_block]. Per dimension max(q*max, q*min) is
         q+ * max + q- * min (max >= min), so the bound of a page is two matrix products. On CUDA one
         Triton kernel reads the bounds through the tables (kernels/triton_quest.py); this is its reference."""
-        if q.is_cuda and self.group == "max":
+        if q.is_cuda:
             from nanovllm.kernels.triton_quest import quest_block_scores
 
             b = self.bounds
@@ -195,43 +185,26 @@ class QuestSelector(BlockSelector):
         batch_size, num_pages = lo.shape[:2]
         q = q.float().view(batch_size, num_kv_heads, -1, q.shape[-1])  # [B, Hk, group, D]
         lo, hi = lo.float().permute(0, 2, 3, 1), hi.float().permute(0, 2, 3, 1)  # [B, Hk, D, pages]
-        if self.group == "max":
-            page_scores = (q.clamp(min=0) @ hi + q.clamp(max=0) @ lo).amax(2)  # [B, Hk, pages]
-        else:  # per query head: [B, Hk, group, pages]
-            page_scores = q @ ((lo + hi) / 2)
+        page_scores = (q.clamp(min=0) @ hi + q.clamp(max=0) @ lo).amax(2)  # [B, Hk, pages]
         written = -(-layout.seq_lens // self.bounds.page_size)  # pages holding keys
         holding = torch.arange(num_pages, device=q.device)[None, :] < written[:, None]
-        shape = (batch_size, 1, 1, num_pages) if page_scores.dim() == 4 else (batch_size, 1, num_pages)
-        page_scores = page_scores.masked_fill(~holding.view(shape), float("-inf"))
+        page_scores = page_scores.masked_fill(~holding[:, None, :], float("-inf"))
         if pages:
             return page_scores
-        return page_scores.unflatten(-1, (-1, self.bounds.pages_per_block)).amax(-1)
+        return page_scores.view(batch_size, num_kv_heads, -1, self.bounds.pages_per_block).amax(-1)
 
     def block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput,
                      i: int) -> torch.Tensor:
-        """[Hk, num_blocks] upper bounds of sequence i's query q [Hq, D] on each of its blocks ([Hk, group,
-        num_blocks] midpoint scores with group "midpoint-softmax")."""
+        """[Hk, num_blocks] upper bounds of sequence i's query q [Hq, D] on each of its blocks."""
         n = batch.num_blocks(i)
         lo, hi = self.bounds.block_pages(layer, batch.block_tables[i][:n], batch.on_host[i][:n] if batch.on_host else None)
         group = q.shape[0] // num_kv_heads
         q = q.float().view(num_kv_heads, group, 1, -1)  # [Hk, group, 1, D]
         lo, hi = lo.float().transpose(0, 1)[:, None], hi.float().transpose(0, 1)[:, None]  # [Hk, 1, pages, D]
-        if self.group == "max":
-            page_scores = torch.maximum(q * hi, q * lo).sum(-1).amax(1)  # [Hk, pages]
-        else:  # per query head: [Hk, group, pages]
-            page_scores = (q * ((lo + hi) / 2)).sum(-1)
+        page_scores = torch.maximum(q * hi, q * lo).sum(-1).amax(1)  # [Hk, pages]
         written = -(-batch.seq_lens[i] // self.bounds.page_size)
-        page_scores[..., written:] = float("-inf")  # pages past the sequence's end hold no keys
-        return page_scores.unflatten(-1, (n, -1)).amax(-1)
-
-
-def _group_softmax(scores: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[..., group, columns] per-query-head scores (-inf: not a candidate) -> [..., columns]: each query head's
-    softmax at the attention's scale, summed over the group (an estimate of the group's attention mass), -inf
-    where no head has a candidate."""
-    candidate = scores.isfinite().any(-2)
-    mass = torch.softmax(scores * head_dim ** -0.5, -1).nan_to_num(0.0).sum(-2)
-    return mass.masked_fill(~candidate, float("-inf"))
+        page_scores[:, written:] = float("-inf")  # pages past the sequence's end hold no keys
+        return page_scores.view(num_kv_heads, n, -1).amax(-1)
 
 
 class XAttentionSelector(BlockSelector):
@@ -485,8 +458,7 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                 dtype=cache.data.dtype, keys=cache.data[0])
         cache.hooks.append(bounds)
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
-                                           config.sparse_min_context, page_select=config.quest_page_select,
-                                           group=config.quest_group)
+                                           config.sparse_min_context, page_select=config.quest_page_select)
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,
