@@ -13,8 +13,9 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.step_plan import StepPlanner, WorkerLimits
 from nanovllm.layers.block_metadata import BlockKeyBounds
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
-from nanovllm.layers.kv_access import head_tables
+from nanovllm.layers.kv_access import column_tables, head_tables
 from nanovllm.layers.sparse_policies import QuestSelector
+from selection_helpers import positions_mask
 
 BS = 16
 BASE = 1000
@@ -49,17 +50,22 @@ def test_narrow_from_graph_tensors_equals_the_per_step_device_selection():
     for i, (t, f) in enumerate(zip(located, on_host)):
         padded[i, : len(t)] = torch.tensor([BASE + b if h else b for b, h in zip(t, f)])
     graph = DecodeLayout.from_tensors(padded, torch.tensor(seq_lens, dtype=torch.int32), bs, BASE)
-    got = selector.narrow(0, q, num_kv_heads, graph)
+    kept = selector.narrow(0, q, num_kv_heads, graph)
+    got = positions_mask(kept, width)
     assert torch.equal(got[:, :, : want.shape[-1]], want) and not got[:, :, want.shape[-1]:].any()
-    assert widest == selector.narrowed_blocks(bs) and bool((got.sum(-1) == 5).all())
+    assert widest == selector.narrowed_blocks(bs) == kept.shape[-1] and bool((kept >= 0).all())
+    assert bool((kept.diff(dim=-1) > 0).all())  # ascending
     assert torch.equal(graph.on_host[:, : step.on_host.shape[1]], step.on_host)
     want_tables, want_lengths = head_tables(step, want, widest, bs)
-    got_tables, got_lengths = head_tables(graph, got, widest, bs)
+    got_tables, got_lengths = column_tables(graph, kept, bs)
     assert torch.equal(got_tables, want_tables) and torch.equal(got_lengths, want_lengths)
     assert selector.narrow(0, q, num_kv_heads, graph) is not None
     assert QuestSelector(bounds, 3 * bs, dense_layers=1, min_context=0).narrow(0, q, num_kv_heads, graph) is None
     wide = QuestSelector(bounds, token_budget=4 * width * bs, dense_layers=0, min_context=0)  # a capture's tables
-    assert torch.equal(wide.narrow(0, q, num_kv_heads, graph), graph.valid[:, None, :].expand(-1, num_kv_heads, -1))
+    kept = wide.narrow(0, q, num_kv_heads, graph)
+    assert kept.shape[-1] == width and torch.equal(positions_mask(kept, width), graph.valid[:, None, :].expand(-1, num_kv_heads, -1))
+    held = kept >= 0  # each head's columns first, then -1: the tables stay compact
+    assert torch.equal(held, held.sum(-1, keepdim=True) > torch.arange(width))
 
 
 def test_planner_narrows_only_steps_whose_every_row_is_narrowed():

@@ -21,7 +21,7 @@ from nanovllm.engine.offload.host_pool import RING_BASE, HostKVPool
 from nanovllm.kernels.reference import HostKV
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import BlockSelector, DecodeLayout
-from nanovllm.layers.kv_access import KVAccess, head_tables, page_views
+from nanovllm.layers.kv_access import KVAccess, column_tables, page_views
 
 GRAPH_SCRATCH_BYTES = 2 * 2**30  # the most a narrowed graph's selection may hold at once (bounds gathered per row)
 
@@ -107,26 +107,28 @@ class NarrowedDecodeKV(KVAccess):
         if self.layout is None:  # the first layer: the step's layout and fresh counts
             self.layout = DecodeLayout.from_tensors(meta.block_tables_tensor, meta.seq_lens_tensor, s.block_size, base)
             self.counts.zero_()
-        keep = s.selector.narrow(layer, q, num_kv_heads, self.layout)
-        second, over_pcie = s.second_pool(layer, whole=keep is None)
-        if keep is None:  # every block: counted as its columns
-            columns, weight, attend_meta = self.layout, s.columns_per_block, meta
-            keep = columns.valid[:, None, :].expand(-1, num_kv_heads, -1)
+        kept = s.selector.narrow(layer, q, num_kv_heads, self.layout)
+        second, over_pcie = s.second_pool(layer, whole=kept is None)
+        if kept is None:  # every block: counted as its columns
+            columns, attend_meta = self.layout, meta
+            self.counts[:, 0] += self.layout.num_blocks * (num_kv_heads * s.columns_per_block)
+            if over_pcie:
+                self.counts[:, 1] += columns.on_host.sum(1) * (num_kv_heads * s.columns_per_block)
         else:
-            columns, weight = self.layout.at(s.selector.decode_page_size(s.block_size)), 1
-            attend_meta = self._narrowed_meta(columns, keep)
-        self.counts[:, 0] += keep.sum((1, 2)) * weight
-        if over_pcie:
-            self.counts[:, 1] += (keep & columns.on_host[:, None, :]).sum((1, 2)) * weight
+            columns = self.layout.at(s.selector.decode_page_size(s.block_size))
+            attend_meta, held = self._narrowed_meta(columns, kept)
+            self.counts[:, 0] += held.sum((1, 2))
+            if over_pcie:  # host columns are RING_BASE + their id in the tables, padding -1
+                self.counts[:, 1] += (attend_meta.block_tables_tensor >= RING_BASE).sum((1, 2))
         k_cache, v_cache, second = page_views(columns.block_size, k_cache, v_cache, second)
         return s.backend.forward(q, k_cache, v_cache, attend_meta, scale, host_kv=second)
 
-    def _narrowed_meta(self, columns: DecodeLayout, keep: torch.Tensor) -> AttentionMetadata:
-        """Per-KV-head decode metadata over the kept columns (blocks or pages), tables of a fixed width."""
-        meta, page_size = self.meta, columns.block_size
-        width = min(self.shared.selector.narrowed_blocks(self.shared.block_size), columns.ids.shape[1])
-        tables, lengths = head_tables(columns, keep, width, page_size)
+    def _narrowed_meta(self, columns: DecodeLayout, kept: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Per-KV-head decode metadata over the kept columns (blocks or pages, as positions), tables of a fixed
+        width; and which of the positions hold a column."""
+        meta, page_size, width = self.meta, columns.block_size, kept.shape[-1]
+        tables, lengths = column_tables(columns, kept, page_size)
         return AttentionMetadata(
             query_lens=meta.query_lens, seq_lens=[width * page_size] * meta.num_seqs, block_tables=[],
             slot_mapping=meta.slot_mapping, cu_query_lens=meta.cu_query_lens,
-            seq_lens_tensor=lengths.to(torch.int32), block_tables_tensor=tables, block_size=page_size)
+            seq_lens_tensor=lengths.to(torch.int32), block_tables_tensor=tables, block_size=page_size), kept >= 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,6 +109,11 @@ class DecodeLayout:
     block_size: int
     base: int | None = None  # ids >= base name host blocks (base + host id); None: ids are the blocks
     _paged: dict[int, DecodeLayout] = field(default_factory=dict, repr=False, compare=False)  # at(), made once
+
+    @cached_property
+    def num_blocks(self) -> torch.Tensor:
+        """[B] int64: each sequence's blocks (columns), counted once per layout."""
+        return self.valid.sum(1)
 
     def at(self, page_size: int) -> DecodeLayout:
         """This layout in pages of page_size tokens (dividing block_size): column c * P + p is page p of block
@@ -213,9 +219,10 @@ class BlockSelector(ABC):
         raise NotImplementedError
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
-        """For a step `narrowed_decode` accepted: keep [B, Hk, W] over layout.at(decode_page_size), at most
-        narrowed_blocks per head (fewer only in padding rows), from tensors alone (fixed shapes, no host
-        value, no sync: inside a CUDA graph); None for a layer read whole."""
+        """For a step `narrowed_decode` accepted: the kept columns of layout.at(decode_page_size) as positions
+        [B, Hk, W] int64, W <= narrowed_blocks, ascending, then -1 (padding rows, or past a short row's
+        columns); from tensors alone (fixed shapes, no host value, no sync: inside a CUDA graph); None for a
+        layer read whole."""
         raise NotImplementedError
 
 

@@ -194,6 +194,16 @@ def head_tables(layout: DecodeLayout, keep: torch.Tensor, width: int, block_size
     return tables, lengths
 
 
+def column_tables(layout: DecodeLayout, kept: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """head_tables for kept columns given as positions [B, Hk, W] (ascending, then -1; BlockSelector.narrow):
+    the kernel's table entries [B, Hk, W] (-1 padded) and the KV length each head holds [B, Hk]."""
+    held = kept >= 0
+    ids = layout.ids[:, None, :].expand(-1, kept.shape[1], -1)
+    tables = torch.gather(ids, 2, kept.clamp(min=0)).masked_fill(~held, -1)
+    lengths = layout.seq_lens[:, None] - (layout.num_blocks[:, None] - held.sum(-1)) * block_size
+    return tables, lengths
+
+
 def select_blocks(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int,
                   batch: SelectionInput) -> Selection | None:
     """The selector's masks with the query blocks forced on; None for every block (dense). The attended
