@@ -64,8 +64,6 @@ def test_narrow_from_graph_tensors_equals_the_per_step_device_selection():
     wide = QuestSelector(bounds, token_budget=4 * width * bs, dense_layers=0, min_context=0)  # a capture's tables
     kept = wide.narrow(0, q, num_kv_heads, graph)
     assert kept.shape[-1] == width and torch.equal(positions_mask(kept, width), graph.valid[:, None, :].expand(-1, num_kv_heads, -1))
-    held = kept >= 0  # each head's columns first, then -1: the tables stay compact
-    assert torch.equal(held, held.sum(-1, keepdim=True) > torch.arange(width))
 
 
 def test_planner_narrows_only_steps_whose_every_row_is_narrowed():

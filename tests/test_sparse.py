@@ -893,26 +893,3 @@ def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_ll
     if offload:
         read = beside.metrics.host_kv_bytes_read + other.metrics.host_kv_bytes_read
         assert read == llm.runner.host_pool.stats.h2d_bytes > 0
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_two_stage_top_columns_equal_one_top_k(seed):
-    """Quest's page top-k through the blocks' best pages keeps the same columns and values as one top-k over
-    every page column, with masked (-inf) blocks and rows where fewer than k columns are finite."""
-    from nanovllm.layers.sparse_policies import top_columns
-
-    g = torch.Generator().manual_seed(seed)
-    per_block, blocks, k = 16, 40, 24
-    scores = torch.randn(3, 2, blocks * per_block, generator=g)
-    scores[:, :, :per_block] = float("-inf")  # the sink block
-    scores[1, :, 3 * per_block:] = float("-inf")  # a short row: 32 finite columns
-    scores[2, :, 2 * per_block:] = float("-inf")  # fewer finite columns than k
-    for two_stage in (False, True):
-        values, indices = top_columns(scores, k, per_block, two_stage=two_stage)
-        assert torch.equal(torch.gather(scores, -1, indices), values)
-        finite = values > float("-inf")
-        kept = [set(i[f].tolist()) for i, f in zip(indices.flatten(0, 1), finite.flatten(0, 1))]
-        if not two_stage:
-            want = kept
-            assert [len(s) for s in kept] == [k, k, k, k, 16, 16]
-    assert kept == want

@@ -220,9 +220,9 @@ class BlockSelector(ABC):
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
         """For a step `narrowed_decode` accepted: the kept columns of layout.at(decode_page_size) as positions
-        [B, Hk, W] int64, W <= narrowed_blocks, ascending, then -1 (padding rows, or past a short row's
-        columns); from tensors alone (fixed shapes, no host value, no sync: inside a CUDA graph); None for a
-        layer read whole."""
+        [B, Hk, W] int64, W <= narrowed_blocks, ascending and then -1 in each row narrowed_decode accepts
+        (any order in padding rows); from tensors alone (fixed shapes, no host value, no sync: inside a CUDA
+        graph); None for a layer read whole."""
         raise NotImplementedError
 
 

@@ -195,7 +195,7 @@ def head_tables(layout: DecodeLayout, keep: torch.Tensor, width: int, block_size
 
 
 def column_tables(layout: DecodeLayout, kept: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """head_tables for kept columns given as positions [B, Hk, W] (ascending, then -1; BlockSelector.narrow):
+    """head_tables for kept columns given as positions [B, Hk, W] (ascending, then -1: BlockSelector.narrow):
     the kernel's table entries [B, Hk, W] (-1 padded) and the KV length each head holds [B, Hk]."""
     held = kept >= 0
     ids = layout.ids[:, None, :].expand(-1, kept.shape[1], -1)

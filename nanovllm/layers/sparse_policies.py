@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 QUEST_PAGE_SIZE = 16
 ESTIMATE_CHUNK = 8192  # XAttention's estimate takes queries in chunks of about this many tokens
-TWO_STAGE_TOP_COLUMNS = True  # top_columns: Quest's page top-k through the blocks' best pages
 
 
 class QuestSelector(BlockSelector):
@@ -150,9 +149,11 @@ class QuestSelector(BlockSelector):
         return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16  # min, max: gathered + float32
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
-        """The kept columns as positions (the same set as _top_columns' mask): the sink's, the top-k's sorted
-        and the recent block's, ascending, invalid ones moved to the end as -1. No mask over every column,
-        no scan: a narrowed step's tables come from these positions by one gather (kv_access.column_tables)."""
+        """The kept columns as positions [B, Hk, sink + budget + recent]: the sink block's, the top-k of the
+        middle's (by bound, then sorted) and the most recent block's, -1 for none. Ascending in every row
+        whose middle holds more columns than the budget (each row of a narrowed step); in other rows (a
+        graph's padding, a capture) the -1 may come between. No mask over every column, no scan: a
+        narrowed step's tables come from these positions by one gather (kv_access.column_tables)."""
         if layer < self.dense_layers:
             return None
         page_size = self.decode_page_size(layout.block_size)
@@ -164,31 +165,24 @@ class QuestSelector(BlockSelector):
         column = torch.arange(num_columns, device=scores.device)
         middle = (column >= sink) & (column < ends - recent)  # [B, C]
         budget = min(self._budget(layout.block_size), max(0, num_columns - sink - recent))
-        values, indices = top_columns(scores.masked_fill(~middle[:, None, :], float("-inf")), budget, per_block)
-        top = indices.masked_fill(values == float("-inf"), num_columns)
+        top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1, sorted=False)
+        top = top.indices.masked_fill(top.values == float("-inf"), num_columns).sort(-1).values
         index = torch.arange(sink + recent, device=scores.device)
         is_sink = index < sink
         fixed = torch.where(is_sink, index, ends - recent - sink + index)  # [B, sink + recent]
-        fixed = fixed.masked_fill((fixed >= ends) | (~is_sink & (fixed < sink)), num_columns)
-        kept = torch.cat([fixed[:, None, :].expand(-1, num_kv_heads, -1), top], -1).sort(-1).values
+        fixed = fixed.masked_fill((fixed >= ends) | (~is_sink & (fixed < sink)), num_columns)[:, None, :]
+        fixed = fixed.expand(-1, num_kv_heads, -1)
+        kept = torch.cat([fixed[..., :sink], top, fixed[..., sink:]], -1)  # in order when every column is kept
         kept = kept.masked_fill(kept >= num_columns, -1)
         return kept
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
-        """keep [B, Hk, columns] over layout.at(decode_page_size): per KV head the best-bounded columns
-        (blocks, or pages) within the budget between the sink and the most recent blocks, and all of
-        those blocks' columns; tensors only."""
-        page_size = self.decode_page_size(layout.block_size)
-        columns, per_block = layout.at(page_size), layout.block_size // page_size
-        scores = self.batch_block_scores(layer, q, num_kv_heads, layout, pages=per_block > 1)  # [B, Hk, columns]
-        block = torch.arange(scores.shape[-1], device=scores.device) // per_block
-        num_blocks = layout.valid.sum(1, keepdim=True)  # [B, 1]
-        middle = (block >= self.sink_blocks) & (block < num_blocks - self.recent_blocks)  # [B, columns]
-        budget = min(self._budget(layout.block_size), scores.shape[-1])  # a graph's tables narrower than the budget
-        top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1).indices
-        keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, top, True)
-        keep |= (~middle & columns.valid)[:, None, :]  # the sink and the most recent blocks
-        return keep & columns.valid[:, None, :]
+        """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
+        per-step device selection of decode_keep, whose rows need not all be narrowed)."""
+        kept = self.narrow(layer, q, num_kv_heads, layout)
+        num_columns = layout.at(self.decode_page_size(layout.block_size)).ids.shape[1]
+        keep = torch.zeros(*kept.shape[:2], num_columns + 1, dtype=torch.bool, device=kept.device)
+        return keep.scatter_(-1, kept.masked_fill(kept < 0, num_columns), True)[..., :num_columns]
 
     def batch_block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                            pages: bool = False) -> torch.Tensor:
@@ -226,25 +220,6 @@ class QuestSelector(BlockSelector):
         written = -(-batch.seq_lens[i] // self.bounds.page_size)
         page_scores[:, written:] = float("-inf")  # pages past the sequence's end hold no keys
         return page_scores.view(num_kv_heads, n, -1).amax(-1)
-
-
-def top_columns(scores: torch.Tensor, k: int, per_block: int,
-                two_stage: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest of scores [..., C] in the last dimension, unordered; columns come in
-    groups of per_block (a block's pages). Two stages when there are at least k groups: the k groups with the
-    best column, then the k best of their columns, the same set (the k best columns lie in at most k groups,
-    each among the k best groups by its best column; ties aside) from a top-k over C / per_block and one over
-    k * per_block columns instead of one over C (torch's top-k over 8,192 page columns of a few rows is slow)."""
-    groups = scores.shape[-1] // per_block
-    if two_stage is None:
-        two_stage = TWO_STAGE_TOP_COLUMNS and per_block > 1 and groups > k
-    if not two_stage:
-        return scores.topk(k, dim=-1, sorted=False)
-    best = scores.unflatten(-1, (groups, per_block)).amax(-1)
-    first = best.topk(k, dim=-1, sorted=False).indices  # [..., k] groups
-    candidates = (first[..., None] * per_block + torch.arange(per_block, device=scores.device)).flatten(-2)
-    values, picked = torch.gather(scores, -1, candidates).topk(k, dim=-1, sorted=False)
-    return values, torch.gather(candidates, -1, picked)
 
 
 class XAttentionSelector(BlockSelector):
