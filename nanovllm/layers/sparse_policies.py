@@ -173,8 +173,7 @@ class QuestSelector(BlockSelector):
         fixed = fixed.masked_fill((fixed >= ends) | (~is_sink & (fixed < sink)), num_columns)[:, None, :]
         fixed = fixed.expand(-1, num_kv_heads, -1)
         kept = torch.cat([fixed[..., :sink], top, fixed[..., sink:]], -1)  # in order when every column is kept
-        kept = kept.masked_fill(kept >= num_columns, -1)
-        return kept
+        return kept.masked_fill(kept >= num_columns, -1)
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
