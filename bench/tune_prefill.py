@@ -4,7 +4,10 @@ and 24K tokens (the four chunks of a 32K prompt at the default budget). Each var
 the default's output; TFLOP/s count the causal pairs. Peer: torch SDPA (cuDNN or flash, the faster) on
 the prefix-free chunk.
 
-    PYTHONPATH=. python3 bench/tune_prefill.py [--prefixes 0 8192 24576] [--chunk 8192]
+    PYTHONPATH=. python3 bench/tune_prefill.py [--prefixes 0 8192 24576] [--chunk 8192] [--warp-specialize]
+
+Variants: pointer loads or tensor descriptors (TMA) for the K/V tiles; --warp-specialize sweeps the
+descriptors' loop with Triton's warp specialisation instead.
 """
 from __future__ import annotations
 
@@ -17,7 +20,11 @@ from common import cuda_ms, log, require_cuda, save_results, sdpa_causal_ms
 from nanovllm.kernels import triton_paged_attention as ops
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 256
-GRID = dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
+GRID = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), tma=(False, True))
+# warp specialisation of the descriptors' loop: a separate process (--warp-specialize), as a failed
+# compilation of it could take the process down
+WS_GRID = dict(block_m=(128,), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3), tma=(True,),
+               warp_specialize=(True,))
 
 
 def inputs(chunk: int, prefix: int) -> tuple:
@@ -44,7 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefixes", nargs="+", type=int, default=[0, 8192, 24576])
     ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--warp-specialize", action="store_true", help="sweep the warp-specialised variants")
     args = ap.parse_args()
+    grid = WS_GRID if args.warp_specialize else GRID
     require_cuda()
     default = ops.prefill_config(torch.bfloat16, DIM, BLOCK)
     peer_ms, peer = sdpa_ms(args.chunk)
@@ -55,8 +64,8 @@ def main() -> None:
         call = inputs(args.chunk, prefix)
         want = ops.paged_prefill_attention(*call, config=default)[0]
         rows = []
-        for values in itertools.product(*GRID.values()):
-            config = ops.PrefillConfig(*values)
+        for values in itertools.product(*grid.values()):
+            config = ops.PrefillConfig(**dict(zip(grid, values)))
             if BLOCK % config.block_n:
                 continue
             fn = lambda: ops.paged_prefill_attention(*call, config=config)  # noqa: E731
@@ -69,13 +78,14 @@ def main() -> None:
             ms = cuda_ms(fn, 5)
             rows.append(dict(config=vars(config), ms=ms, tflops=causal_flops(args.chunk, prefix) / ms / 1e9))
         rows.sort(key=lambda r: r["ms"])
-        base = next(r for r in rows if r["config"] == vars(default))
+        base = dict(config=vars(default), ms=cuda_ms(lambda: ops.paged_prefill_attention(*call, config=default), 5))
+        base["tflops"] = causal_flops(args.chunk, prefix) / base["ms"] / 1e9
         log(f"chunk {args.chunk} over prefix {prefix}: default {base['ms']:.2f} ms ({base['tflops']:.0f} TFLOP/s)")
         for r in rows[:4]:
             log(f"  {r['config']}: {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s, "
                 f"{base['ms'] / r['ms']:.2f}x the default")
         results["shapes"].append(dict(prefix=prefix, default=base, best=rows[:8]))
-    save_results("tune_prefill", results)
+    save_results("tune_prefill_ws" if args.warp_specialize else "tune_prefill", results)
 
 
 if __name__ == "__main__":

@@ -249,15 +249,39 @@ def test_decode_splits_including_empty_ones(ops, num_splits):
     assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=num_splits, block_n=16), want, torch.float32)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("block_m,block_n,block_size", [(16, 16, 16), (32, 16, 64), (128, 64, 64), (64, 32, 32)])
-def test_prefill_tile_shapes(ops, block_m, block_n, block_size):
+def test_prefill_tile_shapes(ops, block_m, block_n, block_size, tma):
     rng = random.Random(block_m + block_n)
     query_lens, seq_lens = random_mixed_lens(rng, 4, 70, 200)
-    b = make_batch(query_lens, seq_lens, 1, 4, 64, block_size, torch.float32, seed=3)
+    b = make_batch(query_lens, seq_lens, 2, 4, 64, block_size, torch.float32, seed=3)
     schedule = ops.build_prefill_schedule(query_lens, block_m, DEVICE, seq_lens)
-    config = ops.PrefillConfig(block_m, block_n, num_warps=4, num_stages=2)
+    config = ops.PrefillConfig(block_m, block_n, num_warps=4, num_stages=2, tma=tma)
     got = ops.paged_prefill_attention(*b.args(0.125), schedule=schedule, config=config)
     assert_matches(got, paged_attention_reference(*b.args(0.125)), torch.float32)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "history"])
+def test_prefill_descriptors_with_per_head_tables_and_accumulation(ops, causal):
+    """Tensor-descriptor K/V loads over per-KV-head tables, merged into a partial result; a cache the
+    descriptor cannot cover (a strided view) falls back to pointer loads with the same result."""
+    rng = random.Random(11)
+    query_lens, seq_lens = random_mixed_lens(rng, 5, 40, 150)
+    b = make_batch(query_lens, seq_lens, 2, 3, 32, 16, torch.float32, seed=6)
+    tables, lens = _per_head_selection(b, 2, seed=2)
+    config = ops.PrefillConfig(32, 16, num_warps=4, num_stages=2, tma=True)
+    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.2)
+    want = paged_attention_reference(*args, causal=causal)
+    assert_matches(ops.paged_prefill_attention(*args, causal=causal, config=config), want, torch.float32)
+    held = paged_attention_reference(*b.args(0.2), causal=causal)
+    merged = merge_attention_states(held[0], held[1], want[0], want[1])
+    out = (held[0].clone(), held[1].clone())
+    ops.paged_prefill_attention(*args, causal=causal, config=config, out=out, accumulate=True)
+    assert_matches(out, merged, torch.float32)
+    strided_k = torch.cat([b.k_cache, b.k_cache], dim=-1)[..., :32]
+    assert not strided_k.is_contiguous()
+    got = ops.paged_prefill_attention(b.q, strided_k, b.v_cache, *args[3:], causal=causal, config=config)
+    assert_matches(got, want, torch.float32)
 
 
 def test_kernels_in_float16(ops):

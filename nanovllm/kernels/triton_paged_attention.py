@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.kernels.reference import HostKV
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
@@ -93,13 +94,45 @@ def _attend_tiles(
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
             qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tiles_tma(
+    acc, m_i, l_i, q, q_pos, seq_len, k_desc, v_desc, table_ptr, head_col, tile_lo, tile_hi, qk_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """`_attend_tiles` of device-resident caches read through tensor descriptors (TMA on Hopper): the
+    caches viewed as [blocks * BLOCK_SIZE, Hk * D], a tile at (block row, head_col). Rows past the end of
+    the sequence are masked after the load (their values may be anything, NaN included)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in tl.range(tile_lo, tile_hi, warp_specialize=WARP_SPECIALIZE):
+        start = tile * BLOCK_N
+        block = tl.load(table_ptr + start // BLOCK_SIZE).to(tl.int32)  # descriptors take int32 offsets
+        row = block * BLOCK_SIZE + start % BLOCK_SIZE
+        k = k_desc.load([row, head_col])
+        v = v_desc.load([row, head_col])
+        qk = tl.dot(q, k.T, input_precision=PRECISION) * qk_scale
+        if MASKED:
+            k_pos = start + offs_n
+            in_seq = k_pos < seq_len
+            qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
+            v = tl.where(in_seq[:, None], v, 0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION: tl.constexpr):
+    """Fold one tile's scores qk (log2 units) and values v into the running (acc, m_i, l_i)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -255,10 +288,11 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_bh, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """PER_HEAD: each KV head has its own block table row and KV length (tables [B, Hk, max_blocks],
-    seq_lens [B, Hk]): attention over a block-sparse selection, the dropped blocks preceding the queries."""
+    seq_lens [B, Hk]): attention over a block-sparse selection, the dropped blocks preceding the queries.
+    TMA: k_cache_ptr / v_cache_ptr are tensor descriptors of the caches viewed as [rows, Hk * D]."""
     head = tl.program_id(0)
     work = tl.program_id(1)
     seq = tl.load(schedule_ptr + 2 * work)
@@ -289,21 +323,33 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_head = head // GROUP
-    k_head = k_cache_ptr + kv_head * stride_kh
-    v_head = v_cache_ptr + kv_head * stride_vh
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     if PER_HEAD:
         table += kv_head * stride_bh
     full_tiles = (first_pos + 1) // BLOCK_N  # every key of these tiles is <= first_pos
     all_tiles = tl.cdiv(tl.minimum(first_pos + BLOCK_M, seq_len), BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, 0, full_tiles, qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, False,
-    )
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, full_tiles, all_tiles, qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, False,
-    )
+    if TMA:
+        acc, m_i, l_i = _attend_tiles_tma(
+            acc, m_i, l_i, q, q_pos, seq_len, k_cache_ptr, v_cache_ptr, table, kv_head * HEAD_DIM, 0, full_tiles,
+            qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION, WARP_SPECIALIZE,
+        )
+        acc, m_i, l_i = _attend_tiles_tma(
+            acc, m_i, l_i, q, q_pos, seq_len, k_cache_ptr, v_cache_ptr, table, kv_head * HEAD_DIM, full_tiles,
+            all_tiles, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION, False,
+        )
+    else:
+        k_head = k_cache_ptr + kv_head * stride_kh
+        v_head = v_cache_ptr + kv_head * stride_vh
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, 0, full_tiles, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION,
+            False,
+        )
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, full_tiles, all_tiles, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION,
+            False,
+        )
     out, lse = _finish(acc, m_i, l_i)
     out_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     lse_ptrs = lse_ptr + rows * stride_lt + head * stride_lh
@@ -476,6 +522,8 @@ class PrefillConfig:
     block_n: int  # keys per KV tile; divides the cache block size
     num_warps: int
     num_stages: int
+    tma: bool = False  # K/V tiles through tensor descriptors (contiguous caches only, else pointers)
+    warp_specialize: bool = False  # of the unmasked tiles' loop (with tma)
 
 
 def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int) -> PrefillConfig:
@@ -553,18 +601,32 @@ def paged_prefill_attention(
     out, lse = out or _new_outputs(q)
     if schedule.shape[0] == 0:
         return out, lse
+    tma = config.tma and _describable(k_cache) and _describable(v_cache)
+    k_arg, v_arg = (_cache_descriptor(c, config.block_n) for c in (k_cache, v_cache)) if tma else (k_cache, v_cache)
     _prefill_kernel[(num_heads, schedule.shape[0])](
-        q, k_cache, v_cache, out, lse, cu_query_lens, seq_lens, block_tables, schedule, scale * _LOG2E,
+        q, k_arg, v_arg, out, lse, cu_query_lens, seq_lens, block_tables, schedule, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0), block_tables.stride(1) if per_head else 0,
         num_kv_heads,
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, ACCUMULATE=accumulate,
-        PER_HEAD=per_head,
+        PER_HEAD=per_head, TMA=tma, WARP_SPECIALIZE=tma and config.warp_specialize,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out, lse
+
+
+def _describable(cache: torch.Tensor) -> bool:
+    """A cache [blocks, block_size, Hk, D] that a 2-D descriptor [blocks * block_size, Hk * D] covers,
+    its rows addressed by int32 offsets."""
+    return cache.is_contiguous() and cache.data_ptr() % 16 == 0 and cache.shape[0] * cache.shape[1] < 2**31
+
+
+def _cache_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+    rows = cache.shape[0] * cache.shape[1]
+    width = cache.shape[2] * cache.shape[3]
+    return TensorDescriptor(cache, [rows, width], [width, 1], [block_n, cache.shape[3]])
 
 
 __all__ = [
