@@ -102,13 +102,12 @@ def _attend_tiles(
 def _attend_tiles_tma(
     acc, m_i, l_i, q, q_pos, seq_len, k_desc, v_desc, table_ptr, head_col, tile_lo, tile_hi, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """`_attend_tiles` of device-resident caches read through tensor descriptors (TMA on Hopper): the
     caches viewed as [blocks * BLOCK_SIZE, Hk * D], a tile at (block row, head_col). Rows past the end of
     the sequence are masked after the load (their values may be anything, NaN included)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for tile in tl.range(tile_lo, tile_hi, warp_specialize=WARP_SPECIALIZE):
+    for tile in range(tile_lo, tile_hi):
         start = tile * BLOCK_N
         block = tl.load(table_ptr + start // BLOCK_SIZE).to(tl.int32)  # descriptors take int32 offsets
         row = block * BLOCK_SIZE + start % BLOCK_SIZE
@@ -288,7 +287,7 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_bh, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr, TMA: tl.constexpr,
 ):
     """PER_HEAD: each KV head has its own block table row and KV length (tables [B, Hk, max_blocks],
     seq_lens [B, Hk]): attention over a block-sparse selection, the dropped blocks preceding the queries.
@@ -331,11 +330,11 @@ def _prefill_kernel(
     if TMA:
         acc, m_i, l_i = _attend_tiles_tma(
             acc, m_i, l_i, q, q_pos, seq_len, k_cache_ptr, v_cache_ptr, table, kv_head * HEAD_DIM, 0, full_tiles,
-            qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION, WARP_SPECIALIZE,
+            qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION,
         )
         acc, m_i, l_i = _attend_tiles_tma(
             acc, m_i, l_i, q, q_pos, seq_len, k_cache_ptr, v_cache_ptr, table, kv_head * HEAD_DIM, full_tiles,
-            all_tiles, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION, False,
+            all_tiles, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION,
         )
     else:
         k_head = k_cache_ptr + kv_head * stride_kh
@@ -522,16 +521,15 @@ class PrefillConfig:
     block_n: int  # keys per KV tile; divides the cache block size
     num_warps: int
     num_stages: int
-    tma: bool = False  # K/V tiles through tensor descriptors (contiguous caches only, else pointers)
-    warp_specialize: bool = False  # of the unmasked tiles' loop (with tma)
+    tma: bool = False  # K/V tiles through tensor descriptors (Hopper's TMA; contiguous caches, else pointers)
 
 
 def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int) -> PrefillConfig:
     """Tiles sized so that Q plus num_stages K/V tiles fit in an H100/H200's shared memory."""
     if dtype == torch.float32:  # 4-byte operands, no 16-bit tensor-core path: smaller tiles
         return PrefillConfig(64 if head_dim <= 128 else 32, kv_tile_size(block_size, 32), 4, 2)
-    if head_dim <= 128:
-        return PrefillConfig(128, kv_tile_size(block_size, 64), 8 if head_dim == 128 else 4, 3)
+    if head_dim <= 128:  # bench/tune_prefill.py on the H200: descriptors 1.34-1.55x pointer loads at head_dim 128
+        return PrefillConfig(128, kv_tile_size(block_size, 64), 4, 3, tma=True)
     return PrefillConfig(64, kv_tile_size(block_size, 64), 8, 2)
 
 
@@ -601,7 +599,7 @@ def paged_prefill_attention(
     out, lse = out or _new_outputs(q)
     if schedule.shape[0] == 0:
         return out, lse
-    tma = config.tma and _describable(k_cache) and _describable(v_cache)
+    tma = config.tma and _has_tma(q.device) and _describable(k_cache) and _describable(v_cache)
     k_arg, v_arg = (_cache_descriptor(c, config.block_n) for c in (k_cache, v_cache)) if tma else (k_cache, v_cache)
     _prefill_kernel[(num_heads, schedule.shape[0])](
         q, k_arg, v_arg, out, lse, cu_query_lens, seq_lens, block_tables, schedule, scale * _LOG2E,
@@ -610,11 +608,17 @@ def paged_prefill_attention(
         num_kv_heads,
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, ACCUMULATE=accumulate,
-        PER_HEAD=per_head, TMA=tma, WARP_SPECIALIZE=tma and config.warp_specialize,
+        PER_HEAD=per_head, TMA=tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out, lse
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Tensor descriptors: Hopper or newer (the CPU interpreter emulates them)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _describable(cache: torch.Tensor) -> bool:
