@@ -88,13 +88,13 @@ def _attend_tiles(
             in_seq = k_pos < seq_len
             k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
-            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            qk = tl.dot(q, k, input_precision=PRECISION)
             qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
+            qk = tl.dot(q, k, input_precision=PRECISION)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION)
     return acc, m_i, l_i
 
 
@@ -113,22 +113,23 @@ def _attend_tiles_tma(
         row = block * BLOCK_SIZE + start % BLOCK_SIZE
         k = k_desc.load([row, head_col])
         v = v_desc.load([row, head_col])
-        qk = tl.dot(q, k.T, input_precision=PRECISION) * qk_scale
+        qk = tl.dot(q, k.T, input_precision=PRECISION)
         if MASKED:
             k_pos = start + offs_n
             in_seq = k_pos < seq_len
             qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
             v = tl.where(in_seq[:, None], v, 0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, qk, v, PRECISION: tl.constexpr):
-    """Fold one tile's scores qk (log2 units) and values v into the running (acc, m_i, l_i)."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+def _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION: tl.constexpr):
+    """Fold one tile's raw scores q.k (masked ones -inf) and values v into the running (acc, m_i, l_i);
+    qk_scale (> 0) takes q.k to log2 units, applied in the exponent's fused multiply-add."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
@@ -528,7 +529,10 @@ def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int) -> Prefil
     """Tiles sized so that Q plus num_stages K/V tiles fit in an H100/H200's shared memory."""
     if dtype == torch.float32:  # 4-byte operands, no 16-bit tensor-core path: smaller tiles
         return PrefillConfig(64 if head_dim <= 128 else 32, kv_tile_size(block_size, 32), 4, 2)
-    if head_dim <= 128:  # bench/tune_prefill.py on the H200: descriptors 1.34-1.55x pointer loads at head_dim 128
+    # bench/tune_prefill.py on the H200: descriptors 1.34-1.55x pointer loads at head_dim 128, 1.0-1.1x at 64
+    if head_dim <= 64:
+        return PrefillConfig(128, kv_tile_size(block_size, 128), 4, 2, tma=True)
+    if head_dim <= 128:
         return PrefillConfig(128, kv_tile_size(block_size, 64), 4, 3, tma=True)
     return PrefillConfig(64, kv_tile_size(block_size, 64), 8, 2)
 
