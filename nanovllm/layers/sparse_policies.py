@@ -360,7 +360,8 @@ class XAttentionSelector(BlockSelector):
             lead, rows = first_tile - lo // self.stride, -(-(hi - lo) // granule)
             whole = F.pad(mass, (0, num_granules * tiles_per_granule - mass.shape[2],
                                  lead, rows * tiles_per_granule - lead - mass.shape[1]))
-            parts.append(whole.view(mass.shape[0], rows, tiles_per_granule, num_granules, tiles_per_granule).sum((2, 4)))
+            parts.append(whole.view(mass.shape[0], rows, tiles_per_granule, num_granules, tiles_per_granule).sum(
+                (2, 4), dtype=torch.float32))
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
     def _fused_estimate(self, q: torch.Tensor, granule: int):
@@ -407,9 +408,11 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int,
     k_rows = padded_keys.view(num_key_tiles, stride, num_kv_heads, dim).permute(2, 0, 1, 3).reshape(
         num_kv_heads, num_key_tiles, stride * dim)
     scores = torch.bmm(q_rows, k_rows.transpose(1, 2)).view(num_kv_heads, group, num_query_tiles, num_key_tiles)
-    hidden = torch.ones(num_query_tiles, num_key_tiles, dtype=torch.bool, device=q.device).triu_(first_tile + 1)
-    probs = scores.float().masked_fill_(hidden, float("-inf")).softmax(-1)  # query tile t sees key tiles <= it
-    return (probs.flatten(0, 1) if per_query_head else probs.sum(1)), first_tile
+    # query tile t sees key tiles <= first_tile + t: hidden ones only among the last num_query_tiles columns
+    hidden = torch.ones(num_query_tiles, num_query_tiles, dtype=torch.bool, device=q.device).triu_(1)
+    scores[..., first_tile:].masked_fill_(hidden, float("-inf"))
+    probs = scores.softmax(-1)  # in `work`: half-precision probabilities (float32 inside) on the GPU
+    return (probs.flatten(0, 1) if per_query_head else probs.sum(1, dtype=torch.float32)), first_tile
 
 
 class PrefillDecodeSelector(BlockSelector):
