@@ -221,12 +221,13 @@ def move_blocks_to_host(b: Batch, every: int, base: int = 1 << 40) -> tuple[torc
     return tables, host
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_decode_reads_host_blocks_in_place(ops, num_splits):
     """Blocks in a (pinned) host pool, named by table entries >= base, read by the decode kernel where
-    they lie: the same result as with every block on the device, and the reference agrees."""
+    they lie: the same result as with every block on the device, and the reference agrees (None: the
+    host-read split rule, here HOST_READ_SPLITS splits of 19 tiles)."""
     dtype = DTYPES[0]
-    b = make_batch([1] * 4, [1, 70, 33, 128], 2, 4, 64, 16, dtype, seed=num_splits)
+    b = make_batch([1] * 4, [1, 70, 33, 300], 2, 4, 64, 16, dtype, seed=num_splits or 7)
     want = paged_attention_reference(*b.args(0.125))
     tables, host = move_blocks_to_host(b, every=2)
     args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, b.seq_lens, tables, 0.125)

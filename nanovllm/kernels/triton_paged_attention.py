@@ -51,6 +51,9 @@ _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 MIN_TILES_PER_SPLIT = 4  # a decode split reads at least this many KV tiles (when the bound allows)
 MAX_SPLITS = 64
 WAVES = 4  # decode aims for this many programs per SM
+# decode reading pinned host memory in place: bench/tune_host_decode.py on the H200 (80 / 160 16-token pages
+# per KV head, batch 1 and 4) had 16 splits fastest everywhere, 1.55x one tile per split (64) at 80 pages
+HOST_READ_SPLITS = 16
 DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is present (interpreter)
 
 
@@ -447,8 +450,7 @@ def paged_decode_attention(
     if num_splits is None:
         bound = max_seq_len or block_tables.shape[-1] * block_size
         if host_kv is not None and host_kv.k.device.type == "cpu":
-            # reads over PCIe are latency-bound: one tile per split keeps the most reads in flight
-            num_splits = max(1, min(-(-bound // block_n), MAX_SPLITS))
+            num_splits = max(1, min(-(-bound // block_n), HOST_READ_SPLITS))
         else:
             num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
