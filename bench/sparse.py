@@ -15,7 +15,7 @@
   alternating, with the density each prompt got (real attention patterns, unlike random weights).
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
-        [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages] [--profile-kernels]
+        [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--ordered-top]] [--profile-kernels]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
 """
@@ -132,19 +132,21 @@ def kernel_table(llm: LLM, steps: int) -> str:
 
 
 def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pages: bool = False,
-                 profile_kernels: bool = False) -> dict:
+                 profile_kernels: bool = False, ordered_top: bool = False) -> dict:
     """ms per step with dense attention and with Quest at each budget (and with its 16-token page selection
-    when `pages`), on the running requests; with `profile_kernels` each peer's kernels are logged too."""
+    when `pages`; with `ordered_top` also through the ordered top kernel instead of top-k + sort), on the
+    running requests; with `profile_kernels` each peer's kernels are logged too."""
     selector = llm.runner.worker.selector
     out = {}
-    peers = [("dense", None, False)] + [(f"quest_{b}", b, False) for b in budgets]
-    peers += [(f"quest_pages_{b}", b, True) for b in budgets] if pages else []
-    for name, budget, page_select in peers:
+    peers = [("dense", None, False, False)] + [(f"quest_{b}", b, False, False) for b in budgets]
+    peers += [(f"quest_pages_{b}", b, True, False) for b in budgets] if pages else []
+    peers += [(f"quest_pages_{b}_ordered", b, True, True) for b in budgets] if ordered_top else []
+    for name, budget, page_select, ordered in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
             llm.runner.staged_decode = False  # offload: the eager split path, at the PCIe floor
         else:
-            selector.token_budget, selector.page_select = budget, page_select
+            selector.token_budget, selector.page_select, selector.ordered_top = budget, page_select, ordered
             llm.runner.set_block_selector(selector)
             llm.runner.recapture_decode_graphs()  # the narrowed decode graphs of this budget
         llm.step()  # untimed: compiles what this selection needs
@@ -168,7 +170,7 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pa
 
 
 def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, offload: bool, h2d: float | None,
-                 pages: bool = False, profile_kernels: bool = False) -> list:
+                 pages: bool = False, profile_kernels: bool = False, ordered_top: bool = False) -> list:
     probe = LLM(config, num_gpu_blocks=1, load_format="dummy", enforce_eager=True)
     max_len, vocab = probe.config.max_model_len, probe.config.hf_config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
@@ -191,7 +193,8 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     for batch, context in parsed:
         ids = prefill_requests(llm, random_prompts(vocab, batch, context, context + batch), steps)
         log(f"{'offload' if offload else 'GPU-only'} decode {batch}x{context}:")
-        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, pages, profile_kernels)))
+        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, pages, profile_kernels,
+                                                                                ordered_top)))
         for request_id in ids:
             llm.abort_request(request_id)
     llm = None
@@ -245,6 +248,8 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096])
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--pages", action="store_true", help="decode peers with Quest's page selection too")
+    ap.add_argument("--ordered-top", action="store_true",
+                    help="page peers also through the ordered top kernel (kernels/triton_quest.py) instead of top-k + sort")
     ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
@@ -263,10 +268,10 @@ def main() -> None:
         log(f"pinned host->device bandwidth: {h2d / 1e9:.1f} GB/s")
         results["h2d_bandwidth_gbs"] = h2d / 1e9
         results["offload_decode"] = decode_cases(args.config, args.decode_cases, args.budgets, args.decode_steps,
-                                                 True, h2d, args.pages, args.profile_kernels)
+                                                 True, h2d, args.pages, args.profile_kernels, args.ordered_top)
     if not args.skip_gpu_only:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
-                                                  False, None, args.pages, args.profile_kernels)
+                                                  False, None, args.pages, args.profile_kernels, args.ordered_top)
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
     save_results("sparse", results)

@@ -93,3 +93,45 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("chunk", [None, 64], ids=["row-in-registers", "chunked"])
+@pytest.mark.parametrize("sink, budget, recent", [(16, 64, 16), (4, 10, 4), (16, 100, 16), (1, 0, 1)])
+def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent):
+    """Quest's kept positions from one Triton kernel (bisection on the scores' order keys, ordered
+    compaction) equal top-k + sort: negative and positive scores, rows ending early (-inf past their
+    keys), rows with fewer candidates than the budget, a row shorter than its sink and recent columns."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import ordered_top_columns
+    from nanovllm.layers.sparse_policies import quest_top_reference
+
+    g = torch.Generator().manual_seed(budget + sink)
+    scores = torch.randn(5, 2, 300, generator=g)
+    ends = torch.tensor([300, 120, 40, 20, 3])
+    for b, end in enumerate(ends.tolist()):
+        scores[b, :, end:] = float("-inf")
+    want = quest_top_reference(scores, ends, sink, budget, recent)
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, chunk=chunk)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_ordered_top_columns_with_ties_keep_a_top_set_in_order():
+    """Tied scores at the threshold: exactly `budget` columns, none scoring below a dropped middle column,
+    ascending (which of the tied columns is free: the kernel keeps the first)."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import ordered_top_columns
+
+    scores = torch.randint(-3, 3, (2, 3, 200), generator=torch.Generator().manual_seed(1)).float()
+    ends, sink, budget, recent = torch.tensor([200, 150]), 8, 40, 8
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent).cpu()
+    for b, end in enumerate(ends.tolist()):
+        for h in range(3):
+            top = got[b, h, sink:sink + budget]
+            assert (top >= 0).all() and (top.diff() > 0).all()
+            middle = torch.zeros(200, dtype=torch.bool)
+            middle[sink:end - recent] = True
+            dropped = middle.clone()
+            dropped[top] = False
+            assert scores[b, h, top].min() >= scores[b, h, dropped].max()
+            assert got[b, h, :sink].tolist() == list(range(sink))
+            assert got[b, h, sink + budget:].tolist() == list(range(end - recent, end))

@@ -97,3 +97,105 @@ def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host
         BLOCK_SIZE=block_size, BLOCKS=blocks_per_program, USE_DOT=use_dot, PAGE_OUT=pages, num_warps=num_warps,
     )
     return out
+
+
+KEY_NONE = -(1 << 31)  # the order key of a column that is not a candidate (outside the middle, or -inf)
+MAX_ROW_IN_REGISTERS = 16384  # columns a program holds at once; longer rows are read in chunks per pass
+
+
+@triton.jit
+def _order_keys(scores_ptr, cols, lo, hi):
+    """Signed int32 keys ordered as the float32 scores at cols; KEY_NONE outside [lo, hi) and for -inf."""
+    x = tl.load(scores_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(x == float("-inf"), -2147483648, key)
+
+
+@triton.jit
+def _count_at_least(scores_ptr, keys, lo, hi, t, num_columns, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """How many keys of the row are >= t: from `keys` (the whole row) or read again in chunks."""
+    if IN_REGISTERS:
+        return tl.sum((keys >= t).to(tl.int32), 0)
+    offs = tl.arange(0, CHUNK)
+    count = 0
+    for start in range(0, num_columns, CHUNK):
+        count += tl.sum((_order_keys(scores_ptr, start + offs, lo, hi) >= t).to(tl.int32), 0)
+    return count
+
+
+@triton.jit(do_not_specialize=["num_columns", "budget", "stride_sb", "stride_sh", "stride_ob", "stride_oh"])
+def _ordered_top_kernel(
+    scores_ptr, ends_ptr, out_ptr, num_columns, budget, stride_sb, stride_sh, stride_ob, stride_oh,
+    SINK: tl.constexpr, RECENT: tl.constexpr, FIXED_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    IN_REGISTERS: tl.constexpr,
+):
+    """One (sequence, KV head) row: the sink's columns, the budget's top columns of the middle in column
+    order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    end = tl.load(ends_ptr + b).to(tl.int32)
+    row = scores_ptr + b.to(tl.int64) * stride_sb + h * stride_sh
+    out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
+    lo = SINK
+    hi = end - RECENT
+    offs = tl.arange(0, CHUNK)
+    keys = _order_keys(row, offs, lo, hi)  # the row when IN_REGISTERS, else its first chunk (unused)
+    # the budget-th largest key t: count(key >= t) >= budget > count(key > t); every candidate when too few
+    candidates = _count_at_least(row, keys, lo, hi, -2147483647, num_columns, CHUNK, IN_REGISTERS)
+    t_lo = tl.full([], -2147483647, tl.int64)
+    t_hi = tl.full([], 2147483647, tl.int64)
+    need_equal = budget  # columns equal to t to keep, the first ones
+    if candidates > budget:
+        for _ in range(32):
+            mid = (t_lo + t_hi + 1) // 2
+            if _count_at_least(row, keys, lo, hi, mid.to(tl.int32), num_columns, CHUNK, IN_REGISTERS) >= budget:
+                t_lo = mid
+            else:
+                t_hi = mid - 1
+        above = _count_at_least(row, keys, lo, hi, t_lo.to(tl.int32) + 1, num_columns, CHUNK, IN_REGISTERS)
+        need_equal = budget - above
+    t = t_lo.to(tl.int32)
+    written = 0
+    equal_seen = 0
+    for start in range(0, num_columns, CHUNK):  # ordered compaction of the kept columns
+        cols = start + offs
+        if not IN_REGISTERS:
+            keys = _order_keys(row, cols, lo, hi)
+        equal = keys == t
+        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0)
+        take = (keys > t) | (equal & (equal_rank <= need_equal))
+        slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out + SINK + slot, cols.to(tl.int64), mask=take)
+        written += tl.sum(take.to(tl.int32), 0)
+        equal_seen += tl.sum(equal.to(tl.int32), 0)
+    for start in range(0, budget, CHUNK):
+        slot = start + offs
+        tl.store(out + SINK + slot, tl.full([CHUNK], -1, tl.int64), mask=(slot >= written) & (slot < budget))
+    i = tl.arange(0, FIXED_PAD)
+    tl.store(out + i, tl.where(i < end, i, -1).to(tl.int64), mask=i < SINK)
+    recent = end - RECENT + i
+    tl.store(out + SINK + budget + i, tl.where(recent >= SINK, recent, -1).to(tl.int64), mask=i < RECENT)
+
+
+def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int,
+                        chunk: int | None = None) -> torch.Tensor:
+    """Quest's kept columns as positions [B, Hk, sink + budget + recent] (int64, -1 for none) from page or
+    block scores [B, Hk, C] float32 (-inf: no keys) and each row's column count ends [B]: the sink's
+    columns, the top `budget` columns of the middle [sink, end - recent) in column order, the recent
+    columns. One program per row finds the budget-th largest score by bisection on an order key of its
+    bits (32 counting passes over the row, held in registers up to MAX_ROW_IN_REGISTERS columns), then
+    compacts the columns at or above it in order: no top-k, no sort. `quest_top_reference` defines the
+    result (ties at the threshold: the first columns). chunk: columns per pass (a test's choice)."""
+    batch, heads, num_columns = scores.shape
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError("scores must be float32 with contiguous rows")
+    whole = triton.next_power_of_2(max(num_columns, 16))
+    chunk = chunk or min(whole, MAX_ROW_IN_REGISTERS)
+    out = torch.empty(batch, heads, sink + budget + recent, dtype=torch.int64, device=scores.device)
+    _ordered_top_kernel[(batch, heads)](
+        scores, ends, out, num_columns, budget, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        SINK=sink, RECENT=recent, FIXED_PAD=triton.next_power_of_2(max(sink, recent, 1)), CHUNK=chunk,
+        IN_REGISTERS=chunk >= num_columns, num_warps=max(4, min(16, chunk // 512)),
+    )
+    return out

@@ -54,6 +54,9 @@ class QuestSelector(BlockSelector):
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
+        # narrow() on CUDA through one Triton kernel (kernels/triton_quest.ordered_top_columns) instead of
+        # top-k + sort: off until bench/sparse.py --ordered-top measures it faster
+        self.ordered_top = False
         if bounds.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
 
@@ -159,21 +162,14 @@ class QuestSelector(BlockSelector):
         page_size = self.decode_page_size(layout.block_size)
         per_block = layout.block_size // page_size
         scores = self.batch_block_scores(layer, q, num_kv_heads, layout, pages=per_block > 1)  # [B, Hk, C]
-        num_columns = scores.shape[-1]
         sink, recent = self.sink_blocks * per_block, self.recent_blocks * per_block
-        ends = layout.num_blocks[:, None] * per_block  # [B, 1] each row's columns
-        column = torch.arange(num_columns, device=scores.device)
-        middle = (column >= sink) & (column < ends - recent)  # [B, C]
-        budget = min(self._budget(layout.block_size), max(0, num_columns - sink - recent))
-        top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1, sorted=False)
-        top = top.indices.masked_fill(top.values == float("-inf"), num_columns).sort(-1).values
-        index = torch.arange(sink + recent, device=scores.device)
-        is_sink = index < sink
-        fixed = torch.where(is_sink, index, ends - recent - sink + index)  # [B, sink + recent]
-        fixed = fixed.masked_fill((fixed >= ends) | (~is_sink & (fixed < sink)), num_columns)[:, None, :]
-        fixed = fixed.expand(-1, num_kv_heads, -1)
-        kept = torch.cat([fixed[..., :sink], top, fixed[..., sink:]], -1)  # in order when every column is kept
-        return kept.masked_fill(kept >= num_columns, -1)
+        ends = layout.num_blocks * per_block  # [B] each row's columns
+        budget = min(self._budget(layout.block_size), max(0, scores.shape[-1] - sink - recent))
+        if self.ordered_top and scores.is_cuda:
+            from nanovllm.kernels.triton_quest import ordered_top_columns
+
+            return ordered_top_columns(scores, ends, sink, budget, recent)
+        return quest_top_reference(scores, ends, sink, budget, recent)
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
@@ -384,6 +380,26 @@ class XAttentionSelector(BlockSelector):
         ordered, order = share.sort(-1, descending=True)
         before = ordered.cumsum(-1) - ordered  # mass of the blocks ranked above each one
         return torch.zeros_like(share, dtype=torch.bool).scatter_(-1, order, (before < self.threshold) & (ordered > 0))
+
+
+def quest_top_reference(scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int) -> torch.Tensor:
+    """Kept columns as positions [B, Hk, sink + budget + recent] (-1 for none) of scores [B, Hk, C] (-inf:
+    no keys) with ends [B] columns per row: the sink's, the top `budget` of the middle [sink, end - recent)
+    sorted, the recent ones. In order in every row whose middle holds more than `budget` candidates; in
+    other rows the -1 may come between."""
+    num_columns, num_kv_heads = scores.shape[-1], scores.shape[1]
+    ends = ends[:, None]
+    column = torch.arange(num_columns, device=scores.device)
+    middle = (column >= sink) & (column < ends - recent)  # [B, C]
+    top = scores.masked_fill(~middle[:, None, :], float("-inf")).topk(budget, dim=-1, sorted=False)
+    top = top.indices.masked_fill(top.values == float("-inf"), num_columns).sort(-1).values
+    index = torch.arange(sink + recent, device=scores.device)
+    is_sink = index < sink
+    fixed = torch.where(is_sink, index, ends - recent - sink + index)  # [B, sink + recent]
+    fixed = fixed.masked_fill((fixed >= ends) | (~is_sink & (fixed < sink)), num_columns)[:, None, :]
+    fixed = fixed.expand(-1, num_kv_heads, -1)
+    kept = torch.cat([fixed[..., :sink], top, fixed[..., sink:]], -1)
+    return kept.masked_fill(kept >= num_columns, -1)
 
 
 def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int,
