@@ -337,17 +337,19 @@ def test_xattention_selection_equals_brute_force(seq_len, n_q, granule, cover):
         assert not got.all()  # it is sparse
 
 
+@pytest.mark.parametrize("seq_len, num_queries", [(150, 120), (160, 128)], ids=["ragged", "whole-granules"])
 @pytest.mark.parametrize("chunk", [16, 48, 64])
-def test_xattention_estimate_in_query_chunks_equals_one_pass(chunk):
-    """The estimate takes queries in chunks of whole granules (long contexts): the same masses as one pass."""
+def test_xattention_estimate_in_query_chunks_equals_one_pass(chunk, seq_len, num_queries):
+    """The estimate takes queries in chunks of whole granules (long contexts): the same masses as one pass
+    (whole granules: the chunks that need no padding to sum per granule)."""
     from nanovllm.layers.sparse_policies import XAttentionSelector
 
     g = torch.Generator().manual_seed(chunk)
-    keys, q = torch.randn(150, 2, 16, generator=g), torch.randn(120, 4, 16, generator=g)
+    keys, q = torch.randn(seq_len, 2, 16, generator=g), torch.randn(num_queries, 4, 16, generator=g)
     selector = XAttentionSelector(None, None, threshold=0.8, stride=4, block_size=16, min_context=0)
     one_pass, first = selector.granule_mass(q, keys, 16, chunk=10**6)
     chunked, first_chunked = selector.granule_mass(q, keys, 16, chunk=chunk)
-    assert first == first_chunked == 1
+    assert first == first_chunked == (seq_len - num_queries) // 16
     torch.testing.assert_close(chunked, one_pass, atol=1e-6, rtol=1e-6)
 
 
