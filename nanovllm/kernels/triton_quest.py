@@ -99,13 +99,13 @@ def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host
     return out
 
 
-KEY_NONE = -(1 << 31)  # the order key of a column that is not a candidate (outside the middle, or -inf)
 MAX_ROW_IN_REGISTERS = 16384  # columns a program holds at once; longer rows are read in chunks per pass
 
 
 @triton.jit
 def _order_keys(scores_ptr, cols, lo, hi):
-    """Signed int32 keys ordered as the float32 scores at cols; KEY_NONE outside [lo, hi) and for -inf."""
+    """Signed int32 keys ordered as the float32 scores at cols; -2**31 (below every score's) outside [lo, hi)
+    and for -inf: not a candidate."""
     x = tl.load(scores_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)

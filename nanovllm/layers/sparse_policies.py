@@ -354,7 +354,8 @@ class XAttentionSelector(BlockSelector):
             mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, self.cover == "head")
             # zero tiles before the first query and past the last tiles, to whole granules: one sum per granule
             lead, rows = first_tile - lo // self.stride, -(-(hi - lo) // granule)
-            pads = (0, num_granules * tiles_per_granule - mass.shape[2], lead, rows * tiles_per_granule - lead - mass.shape[1])
+            pads = (0, num_granules * tiles_per_granule - mass.shape[2],
+                    lead, rows * tiles_per_granule - lead - mass.shape[1])
             whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
             parts.append(whole.view(mass.shape[0], rows, tiles_per_granule, num_granules, tiles_per_granule).sum(
                 (2, 4), dtype=torch.float32))
