@@ -45,6 +45,15 @@ def hf_model(config_dir: Path, dtype=torch.bfloat16):
     return model.eval()
 
 
+def kind_of(name: str, kinds: list[tuple[str, tuple[str, ...]]]) -> str:
+    """The first kind of (kind, substrings) whose substring a kernel's name contains; "other" if none."""
+    low = name.lower()
+    for kind, keys in kinds:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
 def cuda_ms(fn, repeats: int = 20) -> float:
     """Mean GPU time of fn() in ms over repeats calls, after one untimed call (CUDA events)."""
     fn()

@@ -16,19 +16,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import HERE, log, measure_hbm_bandwidth, require_cuda, save_results
+from common import HERE, kind_of, log, measure_hbm_bandwidth, require_cuda, save_results
 from nanovllm import LLM, SamplingParams
 
 KINDS = [("attention", ("paged", "attention", "merge")), ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "matmul")),
          ("kv store", ("index_copy", "indexcopy")), ("norm/rope/elementwise", ("elementwise", "reduce", "cat", "mean", "pow"))]
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "other"
 
 
 def step_time_ms(llm: LLM, prompts: list[list[int]], steps: int) -> float:
@@ -69,7 +61,7 @@ def main() -> None:
     by_kind: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         if evt.self_device_time_total > 0:  # kernels; a CPU operator's device time is its kernels'
-            by_kind[kind_of(evt.key)] += evt.self_device_time_total / 1e3
+            by_kind[kind_of(evt.key, KINDS)] += evt.self_device_time_total / 1e3
     gpu_ms = sum(by_kind.values())
     results["floor_ms_weights"] = 1e3 * weights / bandwidth
     results["gpu_busy_ms_per_step"] = gpu_ms / args.steps

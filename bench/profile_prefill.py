@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import HERE, hf_model, log, require_cuda, save_results, timed
+from common import HERE, hf_model, kind_of, log, require_cuda, save_results, timed
 from nanovllm import LLM, SamplingParams
 
 KINDS = [
@@ -25,19 +25,11 @@ KINDS = [
 ]
 
 
-def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "other"
-
-
 def kernel_ms_by_kind(prof) -> dict[str, float]:
     by_kind: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         if evt.self_device_time_total > 0:  # kernels; a CPU operator's device time is its kernels'
-            by_kind[kind_of(evt.key)] += evt.self_device_time_total / 1e3
+            by_kind[kind_of(evt.key, KINDS)] += evt.self_device_time_total / 1e3
     return dict(by_kind)
 
 
