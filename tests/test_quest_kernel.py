@@ -98,7 +98,7 @@ print("ok")
 @pytest.mark.parametrize("chunk", [None, 64], ids=["row-in-registers", "chunked"])
 @pytest.mark.parametrize("sink, budget, recent", [(16, 64, 16), (4, 10, 4), (16, 100, 16), (1, 0, 1)])
 def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent):
-    """Quest's kept positions from one Triton kernel (bisection on the scores' order keys, ordered
+    """Quest's kept positions from one Triton kernel (radix select on the scores' order keys, ordered
     compaction) equal top-k + sort: negative and positive scores, rows ending early (-inf past their
     keys), rows with fewer candidates than the budget, a row shorter than its sink and recent columns."""
     pytest.importorskip("triton")

@@ -104,24 +104,28 @@ MAX_ROW_IN_REGISTERS = 16384  # columns a program holds at once; longer rows are
 
 @triton.jit
 def _order_keys(scores_ptr, cols, lo, hi):
-    """Signed int32 keys ordered as the float32 scores at cols; -2**31 (below every score's) outside [lo, hi)
-    and for -inf: not a candidate."""
+    """Keys in [0, 2**32) (int64) ordered as the float32 scores at cols; 0 (below every score's key)
+    outside [lo, hi) and for -inf: not a candidate."""
     x = tl.load(scores_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return tl.where(x == float("-inf"), -2147483648, key)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
+    return tl.where(x == float("-inf"), 0, key)
 
 
 @triton.jit
-def _count_at_least(scores_ptr, keys, lo, hi, t, num_columns, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
-    """How many keys of the row are >= t: from `keys` (the whole row) or read again in chunks."""
+def _digit_histogram(scores_ptr, keys, lo, hi, prefix, prefix_mask, shift, num_columns,
+                     CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """Counts of the 8-bit digit at `shift` over the row's candidates whose higher digits equal prefix's."""
     if IN_REGISTERS:
-        return tl.sum((keys >= t).to(tl.int32), 0)
+        match = (keys > 0) & ((keys & prefix_mask) == prefix)
+        return tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
     offs = tl.arange(0, CHUNK)
-    count = 0
+    counts = tl.zeros([256], dtype=tl.int32)
     for start in range(0, num_columns, CHUNK):
-        count += tl.sum((_order_keys(scores_ptr, start + offs, lo, hi) >= t).to(tl.int32), 0)
-    return count
+        chunk = _order_keys(scores_ptr, start + offs, lo, hi)
+        match = (chunk > 0) & ((chunk & prefix_mask) == prefix)
+        counts += tl.histogram(((chunk >> shift) & 255).to(tl.int32), 256, mask=match)
+    return counts
 
 
 @triton.jit(do_not_specialize=["num_columns", "budget", "stride_sb", "stride_sh", "stride_ob", "stride_oh"])
@@ -140,22 +144,26 @@ def _ordered_top_kernel(
     lo = SINK
     hi = end - RECENT
     offs = tl.arange(0, CHUNK)
+    bins = tl.arange(0, 256)
     keys = _order_keys(row, offs, lo, hi)  # the row when IN_REGISTERS, else its first chunk (unused)
-    # the budget-th largest key t: count(key >= t) >= budget > count(key > t); every candidate when too few
-    candidates = _count_at_least(row, keys, lo, hi, -2147483647, num_columns, CHUNK, IN_REGISTERS)
-    t_lo = tl.full([], -2147483647, tl.int64)
-    t_hi = tl.full([], 2147483647, tl.int64)
-    need_equal = budget  # columns equal to t to keep, the first ones
-    if candidates > budget:
-        for _ in range(32):
-            mid = (t_lo + t_hi + 1) // 2
-            if _count_at_least(row, keys, lo, hi, mid.to(tl.int32), num_columns, CHUNK, IN_REGISTERS) >= budget:
-                t_lo = mid
-            else:
-                t_hi = mid - 1
-        above = _count_at_least(row, keys, lo, hi, t_lo.to(tl.int32) + 1, num_columns, CHUNK, IN_REGISTERS)
-        need_equal = budget - above
-    t = t_lo.to(tl.int32)
+    # the budget-th largest key t, one 8-bit digit at a time from the top (radix select); `need` ends as
+    # the number of columns equal to t to keep. Too few candidates: t = 1, every candidate kept.
+    t = tl.full([], 0, tl.int64)
+    prefix_mask = tl.full([], 0, tl.int64)
+    need = budget
+    counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, 24, num_columns, CHUNK, IN_REGISTERS)
+    if tl.sum(counts, 0) > budget:
+        for step in tl.static_range(4):
+            shift = 24 - 8 * step
+            if step > 0:
+                counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, shift, num_columns, CHUNK, IN_REGISTERS)
+            at_least = tl.cumsum(counts, 0, reverse=True)  # candidates with this digit or a higher one
+            digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
+            need -= tl.sum(tl.where(bins > digit, counts, 0), 0)
+            t += digit.to(tl.int64) << shift
+            prefix_mask += tl.full([], 255, tl.int64) << shift
+    else:
+        t = tl.full([], 1, tl.int64)
     written = 0
     equal_seen = 0
     for start in range(0, num_columns, CHUNK):  # ordered compaction of the kept columns
@@ -164,7 +172,7 @@ def _ordered_top_kernel(
             keys = _order_keys(row, cols, lo, hi)
         equal = keys == t
         equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0)
-        take = (keys > t) | (equal & (equal_rank <= need_equal))
+        take = (keys > t) | (equal & (equal_rank <= need))
         slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(out + SINK + slot, cols.to(tl.int64), mask=take)
         written += tl.sum(take.to(tl.int32), 0)
@@ -183,14 +191,14 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     """Quest's kept columns as positions [B, Hk, sink + budget + recent] (int64, -1 for none) from page or
     block scores [B, Hk, C] float32 (-inf: no keys) and each row's column count ends [B]: the sink's
     columns, the top `budget` columns of the middle [sink, end - recent) in column order, the recent
-    columns. One program per row finds the budget-th largest score by bisection on an order key of its
-    bits (32 counting passes over the row, held in registers up to MAX_ROW_IN_REGISTERS columns), then
-    compacts the columns at or above it in order: no top-k, no sort. `quest_top_reference` defines the
+    columns. One program per row finds the budget-th largest score by a radix select on an order key of
+    its bits (four 256-bin histograms of the row, held in registers up to MAX_ROW_IN_REGISTERS columns),
+    then compacts the columns at or above it in order: no top-k, no sort. `quest_top_reference` defines the
     result (ties at the threshold: the first columns). chunk: columns per pass (a test's choice)."""
     batch, heads, num_columns = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("scores must be float32 with contiguous rows")
-    whole = triton.next_power_of_2(max(num_columns, 16))
+    whole = triton.next_power_of_2(max(num_columns, 256))
     chunk = chunk or min(whole, MAX_ROW_IN_REGISTERS)
     out = torch.empty(batch, heads, sink + budget + recent, dtype=torch.int64, device=scores.device)
     _ordered_top_kernel[(batch, heads)](
