@@ -403,6 +403,13 @@ def quest_top_reference(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     return kept.masked_fill(kept >= num_columns, -1)
 
 
+def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """x [rows, ...] with zero rows added before and after; x itself when none are (F.pad would copy it)."""
+    if not before and not after:
+        return x
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (before, after))
+
+
 def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int,
                       per_query_head: bool = False) -> tuple[torch.Tensor, int]:
     """Estimated attention mass per (query tile, key tile) of `stride` positions, summed over the query
@@ -417,8 +424,8 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int,
     num_query_tiles = num_key_tiles - first_tile
     work = q.dtype if q.is_cuda else torch.float32  # half-precision matmuls on the tensor cores
     lead = start - first_tile * stride  # zero rows before the first query, in its tile
-    queries = F.pad(q.to(work) / (dim**0.5 * stride), (0, 0, 0, 0, lead, num_query_tiles * stride - lead - n_q))
-    padded_keys = F.pad(keys.to(work), (0, 0, 0, 0, 0, num_key_tiles * stride - seq_len))
+    queries = _pad_rows(q.to(work) / (dim**0.5 * stride), lead, num_query_tiles * stride - lead - n_q)
+    padded_keys = _pad_rows(keys.to(work), 0, num_key_tiles * stride - seq_len)
     group = num_heads // num_kv_heads
     q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim).flip(1)
     q_rows = q_tiles.permute(2, 3, 0, 1, 4).reshape(num_kv_heads, group * num_query_tiles, stride * dim)
