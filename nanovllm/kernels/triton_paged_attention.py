@@ -38,7 +38,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+try:  # Triton >= 3.4; older ones load K/V through pointers only
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - the pinned Triton has it
+    TensorDescriptor = None
 
 from nanovllm.kernels.reference import HostKV
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
@@ -623,7 +626,9 @@ def paged_prefill_attention(
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    """Tensor descriptors: Hopper or newer (the CPU interpreter emulates them)."""
+    """Tensor descriptors: this Triton has them, and Hopper or newer (the CPU interpreter emulates them)."""
+    if TensorDescriptor is None:
+        return False
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
