@@ -50,8 +50,9 @@ def main() -> None:
     args = ap.parse_args()
     require_cuda()
     prompt = torch.randint(0, 32000, (args.context,)).tolist()
+    # no prefix caching: the profiled call would otherwise find the warm-up call's blocks and skip the prefill
     llm = LLM(args.config, load_format="dummy", max_model_len=args.context + 16, max_num_seqs=1,
-              gpu_memory_utilization=0.5)
+              gpu_memory_utilization=0.5, enable_prefix_caching=False)
     ours = profiled(lambda: llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False))
     del llm
     gc.collect()  # the engine's reference cycles hold its memory until collected

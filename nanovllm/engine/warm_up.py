@@ -21,6 +21,7 @@ import itertools
 import torch
 
 from nanovllm.layers.block_selector import BlockSelector, Selection, SelectionInput
+from nanovllm.layers.cudnn_prefill import MIN_QUERY_TOKENS
 from nanovllm.layers.kv_access import DeviceKV
 from nanovllm.layers.sampler import sample_on_device
 from nanovllm.sampling_params import SamplingParams
@@ -78,8 +79,12 @@ def compile_step_variants(worker) -> None:
         for query_lens, seq_lens in decode_step_layouts(config.max_model_len, worker.num_blocks * worker.block_size):
             for selector in selectors:
                 _mixed_step(worker, query_lens, seq_lens, selector)
-    for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
+    pool_tokens = worker.num_blocks * worker.block_size
+    for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, pool_tokens):
         _mixed_step(worker, [tokens], [tokens])
+    chunk = MIN_QUERY_TOKENS  # a long chunk over a cached prefix: the cuDNN route's merge kernel (layers/cudnn_prefill.py)
+    if chunk <= config.max_num_batched_tokens and 2 * chunk <= min(config.max_model_len, pool_tokens):
+        _mixed_step(worker, [chunk], [2 * chunk])
     if worker.host_pool is not None:  # offload: steps that split their attention merge float32 partial results
         tables = [False] if worker.selector.dense else [False, True]  # dense, and per KV head
         for (query_lens, seq_lens), per_head in itertools.product(layouts, tables):

@@ -5,7 +5,8 @@ metadata tensors (cu_query_lens, seq_lens_tensor, block_tables_tensor) and picks
 splits from their shapes, so it can be captured in a CUDA graph. Other steps (prefill, chunked
 prefill) use the varlen prefill kernel, whose work schedule is built on the host from meta.query_lens;
 in a mixed batch the one-token sequences go to the decode kernel, the others to the prefill kernel,
-both writing into the same output. This module imports without Triton; creating the backend needs it.
+both writing into the same output. A step of one long sequence goes to torch's cuDNN attention on
+Hopper instead (layers/cudnn_prefill.py: faster there). This module imports without Triton; creating the backend needs it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata, register_attention_backend
+from nanovllm.layers.cudnn_prefill import cudnn_prefill, takes_cudnn_route
 
 if TYPE_CHECKING:
     from nanovllm.kernels.triton_paged_attention import PrefillConfig
@@ -28,11 +30,13 @@ class PrefillPlan:
     schedule: torch.Tensor  # int32 [num_work, 2] (sequence, query tile) for the prefill kernel
     decode_ids: torch.Tensor | None  # int32 one-token sequences of a mixed batch, for the decode kernel
     longest_decode: int  # their longest seq_len (picks the decode kernel's number of splits)
+    cudnn: bool = False  # one long sequence: torch's cuDNN attention instead (layers/cudnn_prefill.py)
 
 
 @register_attention_backend("triton")
 class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True
+    cudnn_prefill = True  # one long prefill sequence through cuDNN where takes_cudnn_route says so
 
     def __init__(self) -> None:
         try:
@@ -63,6 +67,8 @@ class TritonPagedAttention(AttentionBackend):
         if is_decode_step(q, meta):
             return self.ops.paged_decode_attention(*tensors, out=out)
         plan = self._plan(q, k_cache, meta)
+        if plan.cudnn and out is None:
+            return cudnn_prefill(q, k_cache, v_cache, meta, scale)
         out = self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config, out=out)
         if plan.decode_ids is not None:
             self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode, out=out)
@@ -84,6 +90,7 @@ class TritonPagedAttention(AttentionBackend):
         if key not in meta.plans:
             build = self._build_history_plan if history else self._build_plan
             meta.plans[key] = build(q.dtype, q.shape[-1], k_cache.shape[1], meta, q.device)
+            meta.plans[key].cudnn = not history and self.cudnn_prefill and takes_cudnn_route(q, k_cache, meta)
         return meta.plans[key]
 
     def _build_history_plan(self, dtype: torch.dtype, head_dim: int, block_size: int, meta: AttentionMetadata,
