@@ -96,3 +96,15 @@ def test_route_equals_the_reference(dtype, block_size, kv_heads, group, head_dim
     got = backend.forward_with_lse(b.q, b.k_cache, b.v_cache, meta, head_dim ** -0.5)
     assert next(iter(meta.plans.values())).cudnn
     assert_matches((got[0], got[1].contiguous()), paged_attention_reference(*b.args(head_dim ** -0.5)), dtype)
+
+
+def test_padded_rows_cover_the_chunk_with_at_most_an_eighth_more():
+    padded = [cudnn_prefill.padded_rows(n) for n in range(cudnn_prefill.MIN_QUERY_TOKENS, 70000)]
+    assert all(n <= p <= n + max(256, n / 8) for n, p in zip(range(cudnn_prefill.MIN_QUERY_TOKENS, 70000), padded))
+    assert padded == sorted(padded) and len(set(padded)) < 60  # few shapes for cuDNN to plan
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs torch's cuDNN attention on a Hopper GPU")
+def test_warm_up_plans_each_padded_size_once():
+    count = cudnn_prefill.warm_up(6, 2, 64, torch.bfloat16, DEVICE, 3000)
+    assert count == len({cudnn_prefill.padded_rows(n) for n in range(cudnn_prefill.MIN_QUERY_TOKENS, 3001)}) == 9

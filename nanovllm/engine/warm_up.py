@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from nanovllm.layers.block_selector import BlockSelector, Selection, SelectionInput
-from nanovllm.layers.cudnn_prefill import MIN_QUERY_TOKENS
+from nanovllm.layers import cudnn_prefill
 from nanovllm.layers.kv_access import DeviceKV
 from nanovllm.layers.sampler import sample_on_device
 from nanovllm.sampling_params import SamplingParams
@@ -79,17 +79,29 @@ def compile_step_variants(worker) -> None:
         for query_lens, seq_lens in decode_step_layouts(config.max_model_len, worker.num_blocks * worker.block_size):
             for selector in selectors:
                 _mixed_step(worker, query_lens, seq_lens, selector)
-    pool_tokens = worker.num_blocks * worker.block_size
-    for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, pool_tokens):
+    for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
         _mixed_step(worker, [tokens], [tokens])
-    chunk = MIN_QUERY_TOKENS  # a long chunk over a cached prefix: the cuDNN route's merge kernel (layers/cudnn_prefill.py)
-    if chunk <= config.max_num_batched_tokens and 2 * chunk <= min(config.max_model_len, pool_tokens):
-        _mixed_step(worker, [chunk], [2 * chunk])
+    _cudnn_route(worker)
     if worker.host_pool is not None:  # offload: steps that split their attention merge float32 partial results
         tables = [False] if worker.selector.dense else [False, True]  # dense, and per KV head
         for (query_lens, seq_lens), per_head in itertools.product(layouts, tables):
             _split_attention(worker, query_lens, seq_lens, per_head)
     _sample_rows(logits)
+
+
+def _cudnn_route(worker) -> None:
+    """The cuDNN prefill route (layers/cudnn_prefill.py): a plan for each padded prefix-free chunk size, and
+    a chunk over a cached prefix (its merge kernel)."""
+    k_cache = worker.kv_cache.layer(0)[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if not (getattr(worker.backend, "cudnn_prefill", False) and cudnn_prefill.supports(k_cache.dtype, head_dim, worker.device)):
+        return
+    config, chunk = worker.config, cudnn_prefill.MIN_QUERY_TOKENS
+    num_heads = num_kv_heads * (worker.model.config.num_heads // worker.model.config.num_kv_heads)
+    longest = min(config.max_num_batched_tokens, config.max_model_len)
+    cudnn_prefill.warm_up(num_heads, num_kv_heads, head_dim, k_cache.dtype, worker.device, longest)
+    if chunk <= config.max_num_batched_tokens and 2 * chunk <= min(config.max_model_len, worker.num_blocks * worker.block_size):
+        _mixed_step(worker, [chunk], [2 * chunk])
 
 
 def _split_attention(worker, query_lens: list[int], seq_lens: list[int], per_head: bool) -> None:
