@@ -15,7 +15,7 @@
   alternating, with the density each prompt got (real attention patterns, unlike random weights).
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
-        [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--ordered-top]] [--profile-kernels]
+        [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--profile-kernels]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
 """
@@ -132,15 +132,15 @@ def kernel_table(llm: LLM, steps: int) -> str:
 
 
 def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pages: bool = False,
-                 profile_kernels: bool = False, ordered_top: bool = False) -> dict:
+                 profile_kernels: bool = False, topk_peer: bool = False) -> dict:
     """ms per step with dense attention and with Quest at each budget (and with its 16-token page selection
-    when `pages`; with `ordered_top` also through the ordered top kernel instead of top-k + sort), on the
+    when `pages`; with `topk_peer` also through top-k + sort instead of the ordered top kernel), on the
     running requests; with `profile_kernels` each peer's kernels are logged too."""
     selector = llm.runner.worker.selector
     out = {}
-    peers = [("dense", None, False, False)] + [(f"quest_{b}", b, False, False) for b in budgets]
-    peers += [(f"quest_pages_{b}", b, True, False) for b in budgets] if pages else []
-    peers += [(f"quest_pages_{b}_ordered", b, True, True) for b in budgets] if ordered_top else []
+    peers = [("dense", None, False, True)] + [(f"quest_{b}", b, False, True) for b in budgets]
+    peers += [(f"quest_pages_{b}", b, True, True) for b in budgets] if pages else []
+    peers += [(f"quest_pages_{b}_topk", b, True, False) for b in budgets] if topk_peer else []
     for name, budget, page_select, ordered in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
@@ -170,7 +170,7 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pa
 
 
 def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, offload: bool, h2d: float | None,
-                 pages: bool = False, profile_kernels: bool = False, ordered_top: bool = False) -> list:
+                 pages: bool = False, profile_kernels: bool = False, topk_peer: bool = False) -> list:
     probe = LLM(config, num_gpu_blocks=1, load_format="dummy", enforce_eager=True)
     max_len, vocab = probe.config.max_model_len, probe.config.hf_config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
@@ -194,7 +194,7 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
         ids = prefill_requests(llm, random_prompts(vocab, batch, context, context + batch), steps)
         log(f"{'offload' if offload else 'GPU-only'} decode {batch}x{context}:")
         results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, pages, profile_kernels,
-                                                                                ordered_top)))
+                                                                                topk_peer)))
         for request_id in ids:
             llm.abort_request(request_id)
     llm = None
@@ -248,8 +248,8 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", type=int, default=[2048, 4096])
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--pages", action="store_true", help="decode peers with Quest's page selection too")
-    ap.add_argument("--ordered-top", action="store_true",
-                    help="page peers also through the ordered top kernel (kernels/triton_quest.py) instead of top-k + sort")
+    ap.add_argument("--topk-peer", action="store_true",
+                    help="page peers also through top-k + sort instead of the ordered top kernel (kernels/triton_quest.py)")
     ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
@@ -268,10 +268,10 @@ def main() -> None:
         log(f"pinned host->device bandwidth: {h2d / 1e9:.1f} GB/s")
         results["h2d_bandwidth_gbs"] = h2d / 1e9
         results["offload_decode"] = decode_cases(args.config, args.decode_cases, args.budgets, args.decode_steps,
-                                                 True, h2d, args.pages, args.profile_kernels, args.ordered_top)
+                                                 True, h2d, args.pages, args.profile_kernels, args.topk_peer)
     if not args.skip_gpu_only:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
-                                                  False, None, args.pages, args.profile_kernels, args.ordered_top)
+                                                  False, None, args.pages, args.profile_kernels, args.topk_peer)
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
     save_results("sparse", results)

@@ -95,7 +95,7 @@ print("ok")
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("chunk", [None, 64], ids=["row-in-registers", "chunked"])
+@pytest.mark.parametrize("chunk", [None, 64, 1024], ids=["row-in-registers", "chunked", "wider-than-the-row"])
 @pytest.mark.parametrize("sink, budget, recent", [(16, 64, 16), (4, 10, 4), (16, 100, 16), (1, 0, 1)])
 def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent):
     """Quest's kept positions from one Triton kernel (radix select on the scores' order keys, ordered
@@ -135,3 +135,38 @@ def test_ordered_top_columns_with_ties_keep_a_top_set_in_order():
             assert scores[b, h, top].min() >= scores[b, h, dropped].max()
             assert got[b, h, :sink].tolist() == list(range(sink))
             assert got[b, h, sink + budget:].tolist() == list(range(end - recent, end))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the selector takes the kernel only for CUDA scores")
+def test_selector_narrows_through_one_compiled_top_kernel_variant():
+    """QuestSelector.narrow on CUDA (the ordered top kernel, one chunk for every row up to max_model_len)
+    keeps the columns of top-k + sort; after warm_up() rows of other widths compile nothing new."""
+    from nanovllm.kernels.compile_watch import WATCH
+
+    g = torch.Generator().manual_seed(3)
+    num_kv_heads, group, dim, bs, num_blocks = 2, 4, 64, 64, 80
+    cache = PagedKVCache(1, num_blocks, bs, num_kv_heads, dim, torch.bfloat16, DEVICE)
+    bounds = BlockKeyBounds(1, num_blocks, 0, bs, num_kv_heads, dim, DEVICE, page_size=16, dtype=torch.bfloat16)
+    cache.hooks.append(bounds)
+    selector = QuestSelector(bounds, 512, 0, 0, page_select=True, max_model_len=40 * bs)
+    assert selector._max_columns(bs) == 160 and selector._top_chunk(bs) == 256
+    WATCH.install()
+    selector.warm_up(num_kv_heads, DEVICE)
+    top_variants = lambda: [e for e in WATCH.events if e.kernel == "_ordered_top_kernel"]  # noqa: E731
+    compiled = len(top_variants())
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    for seq_lens in ([9 * bs + 5, 30 * bs], [40 * bs - 3]):  # 120 and 160 columns: rows narrower than the chunk
+        tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+        for table, n in zip(tables, seq_lens):
+            keys = torch.randn(n, num_kv_heads, dim, generator=g).to(DEVICE, torch.bfloat16)
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], device=DEVICE)
+            cache.write(0, keys, keys, slots)
+        layout = DecodeLayout.build(SelectionInput([1] * len(seq_lens), seq_lens, bs, tables), DEVICE)
+        q = torch.randn(len(seq_lens), num_kv_heads * group, dim, generator=g).to(DEVICE, torch.bfloat16)
+        got = selector.narrow(0, q, num_kv_heads, layout)
+        selector.ordered_top = False
+        want = selector.narrow(0, q, num_kv_heads, layout)
+        selector.ordered_top = True
+        assert torch.equal(got, want)
+        free += [b for t in tables for b in t]
+    assert len(top_variants()) == compiled, [e.signature for e in top_variants()[compiled:]]

@@ -73,6 +73,7 @@ def compile_step_variants(worker) -> None:
     if not worker.selector.dense:  # a sparse policy's steps attend over per-KV-head tables: other variants
         for query_lens, seq_lens in layouts:
             _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
+        worker.selector.warm_up(worker.kv_cache.layer(0)[0].shape[2], worker.device)
     config = worker.config
     if worker.graphs is None:  # enforce_eager: nothing captured the pure decode steps' kernels
         selectors = [None] if worker.selector.dense else [None, EveryBlockPerHead()]

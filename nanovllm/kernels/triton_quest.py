@@ -186,6 +186,12 @@ def _ordered_top_kernel(
     tl.store(out + SINK + budget + i, tl.where(recent >= SINK, recent, -1).to(tl.int64), mask=i < RECENT)
 
 
+def ordered_top_chunk(max_columns: int) -> int:
+    """Columns per pass of ordered_top_columns for rows of up to max_columns columns: the whole row up to
+    MAX_ROW_IN_REGISTERS. A caller that passes this for every row compiles one variant (two past the cap)."""
+    return min(triton.next_power_of_2(max(max_columns, 256)), MAX_ROW_IN_REGISTERS)
+
+
 def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int,
                         chunk: int | None = None) -> torch.Tensor:
     """Quest's kept columns as positions [B, Hk, sink + budget + recent] (int64, -1 for none) from page or
@@ -194,12 +200,12 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     columns. One program per row finds the budget-th largest score by a radix select on an order key of
     its bits (four 256-bin histograms of the row, held in registers up to MAX_ROW_IN_REGISTERS columns),
     then compacts the columns at or above it in order: no top-k, no sort. `quest_top_reference` defines the
-    result (ties at the threshold: the first columns). chunk: columns per pass (a test's choice)."""
+    result (ties at the threshold: the first columns). chunk: columns per pass (default: the row's
+    `ordered_top_chunk`, a variant per power of two; a fixed one serves every narrower row)."""
     batch, heads, num_columns = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("scores must be float32 with contiguous rows")
-    whole = triton.next_power_of_2(max(num_columns, 256))
-    chunk = chunk or min(whole, MAX_ROW_IN_REGISTERS)
+    chunk = chunk or ordered_top_chunk(num_columns)
     out = torch.empty(batch, heads, sink + budget + recent, dtype=torch.int64, device=scores.device)
     _ordered_top_kernel[(batch, heads)](
         scores, ends, out, num_columns, budget, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),

@@ -186,6 +186,10 @@ class BlockSelector(ABC):
     def before_step(self, plan: StepPlan) -> None:
         """Host-side preparation of a step's selections before its forward pass (e.g. metadata they read)."""
 
+    def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
+        """Compiles at start-up the kernel variants the selector's own kernels would otherwise compile on a
+        request's first step (the engine's warm-up runs the attention variants)."""
+
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         """True when a decode step of sequences with these KV lengths is known on the host to attend to
         every block in every layer: the step may then run the dense decode graphs."""

@@ -46,17 +46,20 @@ class QuestSelector(BlockSelector):
     narrows = True
 
     def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
-                 sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False):
+                 sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
+                 max_model_len: int | None = None):
         """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
         (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
         pages; select() keeps selecting blocks (the strategies send a mixed step's decode rows to
-        decode_keep too, `MixedRows`)."""
+        decode_keep too, `MixedRows`). max_model_len: the longest sequence; with it every narrow() on CUDA
+        runs one compiled variant of the top kernel, which warm_up() compiles."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
+        self.max_model_len = max_model_len
         # narrow() on CUDA through one Triton kernel (kernels/triton_quest.ordered_top_columns) instead of
-        # top-k + sort: off until bench/sparse.py --ordered-top measures it faster
-        self.ordered_top = False
+        # top-k + sort (1.13x the narrowed 128K offload step at budget 2048, docs/BENCHMARKS.md)
+        self.ordered_top = True
         if bounds.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
 
@@ -168,8 +171,37 @@ class QuestSelector(BlockSelector):
         if self.ordered_top and scores.is_cuda:
             from nanovllm.kernels.triton_quest import ordered_top_columns
 
-            return ordered_top_columns(scores, ends, sink, budget, recent)
+            return ordered_top_columns(scores, ends, sink, budget, recent, self._top_chunk(layout.block_size))
         return quest_top_reference(scores, ends, sink, budget, recent)
+
+    def _max_columns(self, block_size: int) -> int | None:
+        """Columns of decode_page_size tokens in the longest sequence's blocks (None: no longest known)."""
+        if self.max_model_len is None:
+            return None
+        return -(-self.max_model_len // block_size) * (block_size // self.decode_page_size(block_size))
+
+    def _top_chunk(self, block_size: int) -> int | None:
+        from nanovllm.kernels.triton_quest import ordered_top_chunk
+
+        columns = self._max_columns(block_size)
+        return None if columns is None else ordered_top_chunk(columns)
+
+    def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
+        """Compiles the ordered top kernel's variants of this engine (rows within the register chunk and, for
+        sequences longer than it, rows read in chunks) so that no request waits for them."""
+        block_size = self.bounds.block_size
+        columns = self._max_columns(block_size)
+        if not (self.ordered_top and device.type == "cuda" and columns):
+            return
+        from nanovllm.kernels.triton_quest import MAX_ROW_IN_REGISTERS, ordered_top_columns
+
+        chunk, per_block = self._top_chunk(block_size), block_size // self.decode_page_size(block_size)
+        sink, recent = self.sink_blocks * per_block, self.recent_blocks * per_block
+        for width in sorted({min(columns, MAX_ROW_IN_REGISTERS), columns}):
+            scores = torch.zeros(1, num_kv_heads, width, dtype=torch.float32, device=device)
+            ends = torch.full((1,), width, dtype=torch.int64, device=device)
+            ordered_top_columns(scores, ends, sink, max(0, min(self._budget(block_size), width - sink - recent)),
+                                recent, chunk)
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
@@ -476,6 +508,10 @@ class PrefillDecodeSelector(BlockSelector):
     def narrow(self, layer, q, num_kv_heads, layout):
         return self.decode.narrow(layer, q, num_kv_heads, layout)
 
+    def warm_up(self, num_kv_heads, device) -> None:
+        self.prefill.warm_up(num_kv_heads, device)
+        self.decode.warm_up(num_kv_heads, device)
+
     def select(self, layer, q, num_kv_heads, batch) -> Selection | None:
         by_prefill = self.prefill.select(layer, q, num_kv_heads, batch)
         by_decode = self.decode.select(layer, q, num_kv_heads, batch)
@@ -499,7 +535,8 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                 dtype=cache.data.dtype, keys=cache.data[0])
         cache.hooks.append(bounds)
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
-                                           config.sparse_min_context, page_select=config.quest_page_select)
+                                           config.sparse_min_context, page_select=config.quest_page_select,
+                                           max_model_len=config.max_model_len)
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,
