@@ -375,6 +375,7 @@ class XAttentionSelector(BlockSelector):
         tiles_per_granule = granule // self.stride
         step = max(granule, chunk // granule * granule)
         fused = self._fused_estimate(q, granule)
+        key_rows = None if fused is not None else key_tile_rows(keys, self.stride, q)  # one copy for every chunk
         parts = []
         for lo in range(first_granule * granule, seq_len, step):
             hi = min(seq_len, lo + step)
@@ -383,14 +384,17 @@ class XAttentionSelector(BlockSelector):
                 parts.append(mass if self.cover == "head" else mass.view(keys.shape[1], -1, *mass.shape[1:]).sum(1))
                 continue
             queries = slice(max(lo, start) - start, hi - start)
-            mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, self.cover == "head")
-            # zero tiles before the first query and past the last tiles, to whole granules: one sum per granule
-            lead, rows = first_tile - lo // self.stride, -(-(hi - lo) // granule)
-            pads = (0, num_granules * tiles_per_granule - mass.shape[2],
+            mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, self.cover == "head",
+                                                 key_rows[:, : -(-hi // self.stride)])
+            # zero tiles before the first query and past the last tiles, to whole granules: one sum per granule;
+            # the granules past this chunk's keys are added to the (granule-times smaller) sums, not to the tiles
+            lead, rows, key_granules = first_tile - lo // self.stride, -(-(hi - lo) // granule), -(-hi // granule)
+            pads = (0, key_granules * tiles_per_granule - mass.shape[2],
                     lead, rows * tiles_per_granule - lead - mass.shape[1])
             whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
-            parts.append(whole.view(mass.shape[0], rows, tiles_per_granule, num_granules, tiles_per_granule).sum(
-                (2, 4), dtype=torch.float32))
+            sums = whole.view(mass.shape[0], rows, tiles_per_granule, key_granules, tiles_per_granule).sum(
+                (2, 4), dtype=torch.float32)
+            parts.append(F.pad(sums, (0, num_granules - key_granules)) if key_granules < num_granules else sums)
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
     def _fused_estimate(self, q: torch.Tensor, granule: int):
@@ -442,27 +446,41 @@ def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1) + (before, after))
 
 
-def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int,
-                      per_query_head: bool = False) -> tuple[torch.Tensor, int]:
+def _work_dtype(q: torch.Tensor) -> torch.dtype:
+    return q.dtype if q.is_cuda else torch.float32  # half-precision matmuls on the tensor cores
+
+
+def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor) -> torch.Tensor:
+    """keys [seq_len, Hk, D] as [Hk, key tiles, stride * D]: each tile's rows side by side (the last tile
+    padded with zero rows), in the matmul dtype of queries like q."""
+    seq_len, num_kv_heads, dim = keys.shape
+    num_key_tiles = -(-seq_len // stride)
+    padded = _pad_rows(keys.to(_work_dtype(q)), 0, num_key_tiles * stride - seq_len)
+    return padded.view(num_key_tiles, stride, num_kv_heads, dim).permute(2, 0, 1, 3).reshape(
+        num_kv_heads, num_key_tiles, stride * dim)
+
+
+def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, per_query_head: bool = False,
+                      key_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Estimated attention mass per (query tile, key tile) of `stride` positions, summed over the query
     heads of each KV head: [Hk, query tiles, key tiles] (per_query_head: [Hq, ...], not summed), and the
     first query tile's index. A pair's score
     is the sum over its tile's antidiagonal of q.k (query row stride-1-j with key row j), scaled like one
-    dot product; softmax per query tile and head over the causally visible key tiles."""
+    dot product; softmax per query tile and head over the causally visible key tiles. key_rows: the keys'
+    `key_tile_rows`, where the caller has them (a view of a longer sequence's is not copied again)."""
     n_q, num_heads, dim = q.shape
     seq_len, num_kv_heads = keys.shape[:2]
     start = seq_len - n_q
     first_tile, num_key_tiles = start // stride, -(-seq_len // stride)
     num_query_tiles = num_key_tiles - first_tile
-    work = q.dtype if q.is_cuda else torch.float32  # half-precision matmuls on the tensor cores
     lead = start - first_tile * stride  # zero rows before the first query, in its tile
-    queries = _pad_rows(q.to(work) / (dim**0.5 * stride), lead, num_query_tiles * stride - lead - n_q)
-    padded_keys = _pad_rows(keys.to(work), 0, num_key_tiles * stride - seq_len)
+    queries = _pad_rows(q.to(_work_dtype(q)) / (dim**0.5 * stride), lead, num_query_tiles * stride - lead - n_q)
     group = num_heads // num_kv_heads
     q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim).flip(1)
     q_rows = q_tiles.permute(2, 3, 0, 1, 4).reshape(num_kv_heads, group * num_query_tiles, stride * dim)
-    k_rows = padded_keys.view(num_key_tiles, stride, num_kv_heads, dim).permute(2, 0, 1, 3).reshape(
-        num_kv_heads, num_key_tiles, stride * dim)
+    k_rows = key_tile_rows(keys, stride, q) if key_rows is None else key_rows
+    if k_rows.shape[1] != num_key_tiles:
+        raise ValueError(f"key_rows hold {k_rows.shape[1]} tiles; the keys make {num_key_tiles}")
     scores = torch.bmm(q_rows, k_rows.transpose(1, 2)).view(num_kv_heads, group, num_query_tiles, num_key_tiles)
     # query tile t sees key tiles <= first_tile + t: hidden ones only among the last num_query_tiles columns
     hidden = torch.ones(num_query_tiles, num_query_tiles, dtype=torch.bool, device=q.device).triu_(1)
