@@ -392,8 +392,9 @@ class XAttentionSelector(BlockSelector):
             pads = (0, key_granules * tiles_per_granule - mass.shape[2],
                     lead, rows * tiles_per_granule - lead - mass.shape[1])
             whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
-            sums = whole.view(mass.shape[0], rows, tiles_per_granule, key_granules, tiles_per_granule).sum(
-                (2, 4), dtype=torch.float32)
+            heads = mass.shape[0]  # sum each granule's key tiles (contiguous), then its query tiles: two fast reductions
+            sums = whole.view(heads, rows * tiles_per_granule, key_granules, tiles_per_granule).sum(-1, dtype=torch.float32)
+            sums = sums.view(heads, rows, tiles_per_granule, key_granules).sum(2)
             parts.append(F.pad(sums, (0, num_granules - key_granules)) if key_granules < num_granules else sums)
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
@@ -451,12 +452,13 @@ def _work_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor) -> torch.Tensor:
-    """keys [seq_len, Hk, D] as [Hk, key tiles, stride * D]: each tile's rows side by side (the last tile
-    padded with zero rows), in the matmul dtype of queries like q."""
+    """keys [seq_len, Hk, D] as [Hk, key tiles, stride * D]: each tile's rows side by side in reverse order
+    (the last tile padded with zero rows), in the matmul dtype of queries like q. Reversed here, once per
+    layer, so that a query tile's rows pair with them in order (its antidiagonal) without a flip per chunk."""
     seq_len, num_kv_heads, dim = keys.shape
     num_key_tiles = -(-seq_len // stride)
     padded = _pad_rows(keys.to(_work_dtype(q)), 0, num_key_tiles * stride - seq_len)
-    return padded.view(num_key_tiles, stride, num_kv_heads, dim).permute(2, 0, 1, 3).reshape(
+    return padded.view(num_key_tiles, stride, num_kv_heads, dim).flip(1).permute(2, 0, 1, 3).reshape(
         num_kv_heads, num_key_tiles, stride * dim)
 
 
@@ -465,7 +467,7 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, per_quer
     """Estimated attention mass per (query tile, key tile) of `stride` positions, summed over the query
     heads of each KV head: [Hk, query tiles, key tiles] (per_query_head: [Hq, ...], not summed), and the
     first query tile's index. A pair's score
-    is the sum over its tile's antidiagonal of q.k (query row stride-1-j with key row j), scaled like one
+    is the sum over its tile's antidiagonal of q.k (query row j with key row stride-1-j), scaled like one
     dot product; softmax per query tile and head over the causally visible key tiles. key_rows: the keys'
     `key_tile_rows`, where the caller has them (a view of a longer sequence's is not copied again)."""
     n_q, num_heads, dim = q.shape
@@ -476,7 +478,7 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, per_quer
     lead = start - first_tile * stride  # zero rows before the first query, in its tile
     queries = _pad_rows(q.to(_work_dtype(q)) / (dim**0.5 * stride), lead, num_query_tiles * stride - lead - n_q)
     group = num_heads // num_kv_heads
-    q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim).flip(1)
+    q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim)
     q_rows = q_tiles.permute(2, 3, 0, 1, 4).reshape(num_kv_heads, group * num_query_tiles, stride * dim)
     k_rows = key_tile_rows(keys, stride, q) if key_rows is None else key_rows
     if k_rows.shape[1] != num_key_tiles:
