@@ -392,9 +392,8 @@ class XAttentionSelector(BlockSelector):
             pads = (0, key_granules * tiles_per_granule - mass.shape[2],
                     lead, rows * tiles_per_granule - lead - mass.shape[1])
             whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
-            heads = mass.shape[0]  # sum each granule's key tiles (contiguous), then its query tiles: two fast reductions
-            sums = whole.view(heads, rows * tiles_per_granule, key_granules, tiles_per_granule).sum(-1, dtype=torch.float32)
-            sums = sums.view(heads, rows, tiles_per_granule, key_granules).sum(2)
+            sums = whole.view(mass.shape[0], rows, tiles_per_granule, key_granules, tiles_per_granule).sum(
+                (2, 4), dtype=torch.float32)
             parts.append(F.pad(sums, (0, num_granules - key_granules)) if key_granules < num_granules else sums)
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
