@@ -1,5 +1,5 @@
-"""XAttention's fused estimate (kernels/triton_xattention.py) against `antidiagonal_mass`, the PyTorch
-reference behind XAttentionSelector.granule_mass, at small sizes under Triton's CPU interpreter (no CUDA):
+"""XAttention's fused estimate and its softmax-granule-sums kernel (kernels/triton_xattention.py) against the
+PyTorch path of XAttentionSelector.granule_mass (their reference), at small sizes under Triton's CPU interpreter (no CUDA):
 the granule masses to float32 tolerance and the selections made from them equal."""
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_hea
 def test_selection_through_the_kernel_equals_the_torch_path(seq_len, n_q, stride, granule, kv_heads, group, dim,
                                                             cover):
     """granule_mass in query chunks of 64 tokens through the kernel (the default blocks) and through
-    antidiagonal_mass: the same masses, and sequence_selection keeps the same blocks (KV block 2 granules)."""
+    the PyTorch path: the same masses, and sequence_selection keeps the same blocks (KV block 2 granules)."""
     pytest.importorskip("triton")
     q, keys = inputs(seq_len, n_q, kv_heads, group, dim, torch.float32)
     fused, reference = selector(stride, granule, cover, True), selector(stride, granule, cover, False)
@@ -89,3 +89,44 @@ def test_forced_blocks_through_the_kernel_equal_the_torch_path():
     first = (seq_len - n_q) // kb
     assert kept[0][:, 8 - first, :9].all() and kept[0][:, 9 - first, :10].all()  # blocks 8-9: tokens 256-340
     assert not kept[0][:, 7 - first, :8].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_columns", [256, 16])
+@pytest.mark.parametrize("heads, tiles, columns, lead, tiles_per_granule",
+                         [(3, 40, 100, 0, 4), (2, 33, 77, 3, 8), (4, 16, 300, 0, 16), (1, 5, 9, 1, 2)])
+def test_softmax_granule_sums_equal_the_torch_path(heads, tiles, columns, lead, tiles_per_granule, block_columns,
+                                                   dtype):
+    """The kernel's softmax and granule sums of causally masked scores (the chunk's tiles see the columns up to
+    their own) equal the PyTorch path's softmax, zero padding and sums: a lead of zero tiles, ragged last
+    granules, blocks of columns narrower and wider than the row."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_xattention import softmax_granule_sums
+
+    g = torch.Generator().manual_seed(tiles + columns)
+    scores = (torch.randn(heads, tiles, columns, generator=g) * 3).to(dtype).float()
+    hidden = torch.arange(columns)[None, :] > columns - tiles + torch.arange(tiles)[:, None]
+    scores.masked_fill_(hidden, float("-inf"))
+    rows, key_granules = -(-(lead + tiles) // tiles_per_granule), -(-columns // tiles_per_granule)
+    want = selector(4, 4 * tiles_per_granule, "head", False)._granule_sums(scores[:, None], lead, rows, key_granules,
+                                                                            tiles_per_granule)
+    got = softmax_granule_sums(scores.to(dtype).to(DEVICE), lead, rows, key_granules, tiles_per_granule,
+                               block_columns).cpu()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(got.sum((1, 2)), torch.full((heads,), float(tiles)))  # each tile row's mass is one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the selector takes the kernel for CUDA queries only")
+@pytest.mark.parametrize("cover", ["head", "group"])
+def test_granule_mass_through_the_sums_kernel_equals_the_torch_path(cover):
+    """granule_mass with fused_granule_sums (bf16 scores, float32 sums in the kernel) against the PyTorch path
+    on the same inputs; selections equal but for near ties."""
+    q, keys = inputs(700, 333, 2, 4, 64, torch.bfloat16)
+    fused, reference = selector(8, 32, cover, False), selector(8, 32, cover, False)
+    fused.fused_granule_sums = True
+    got, first = fused.granule_mass(q.to(DEVICE), keys.to(DEVICE), 32, chunk=128)
+    want, first_reference = reference.granule_mass(q.to(DEVICE), keys.to(DEVICE), 32, chunk=128)
+    assert first == first_reference
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # the PyTorch path rounds probabilities to bf16
+    kept = fused.sequence_selection(q.to(DEVICE), keys.to(DEVICE), 64)
+    assert float((kept == reference.sequence_selection(q.to(DEVICE), keys.to(DEVICE), 64)).float().mean()) > 0.99

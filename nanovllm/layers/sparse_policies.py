@@ -264,6 +264,9 @@ class XAttentionSelector(BlockSelector):
         # the Triton estimate (kernels/triton_xattention.py) instead of the PyTorch path: off, as on the H200 it
         # took 1.5-1.9x the PyTorch path's time (68.7 vs 35.6 ms at 128K, docs/BENCHMARKS.md)
         self.fused_estimate = False
+        # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
+        # (triton_xattention.softmax_granule_sums): off until bench/sparse.py measures it faster on the GPU
+        self.fused_granule_sums = False
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return True  # a prefill policy: decode rows attend to every block
@@ -367,8 +370,9 @@ class XAttentionSelector(BlockSelector):
         holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
         the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
         never straddle chunks, nor granules (the stride divides the granule). With `fused_estimate` one Triton
-        kernel per chunk (kernels/triton_xattention.py) makes the masses without the scores; antidiagonal_mass
-        is its reference."""
+        kernel per chunk (kernels/triton_xattention.py) makes the masses without the scores; the PyTorch path
+        (antidiagonal_scores, then _granule_sums) is its reference. With `fused_granule_sums` the scores' softmax
+        and granule sums are one Triton kernel (triton_xattention.softmax_granule_sums)."""
         seq_len = keys.shape[0]
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
@@ -376,6 +380,7 @@ class XAttentionSelector(BlockSelector):
         step = max(granule, chunk // granule * granule)
         fused = self._fused_estimate(q, granule)
         key_rows = None if fused is not None else key_tile_rows(keys, self.stride, q)  # one copy for every chunk
+        sums_kernel = self._granule_sums_kernel(q, granule)
         parts = []
         for lo in range(first_granule * granule, seq_len, step):
             hi = min(seq_len, lo + step)
@@ -384,22 +389,44 @@ class XAttentionSelector(BlockSelector):
                 parts.append(mass if self.cover == "head" else mass.view(keys.shape[1], -1, *mass.shape[1:]).sum(1))
                 continue
             queries = slice(max(lo, start) - start, hi - start)
-            mass, first_tile = antidiagonal_mass(q[queries], keys[:hi], self.stride, self.cover == "head",
-                                                 key_rows[:, : -(-hi // self.stride)])
-            # zero tiles before the first query and past the last tiles, to whole granules: one sum per granule;
+            rows, key_granules = -(-(hi - lo) // granule), -(-hi // granule)
+            scores, first_tile = antidiagonal_scores(q[queries], keys[:hi], self.stride,
+                                                     key_rows[:, : -(-hi // self.stride)])
+            lead = first_tile - lo // self.stride  # zero tiles before the first query, in its granule
+            if sums_kernel is not None:
+                sums = sums_kernel(scores.flatten(0, 1), lead, rows, key_granules, tiles_per_granule)
+                sums = sums if self.cover == "head" else sums.view(keys.shape[1], -1, *sums.shape[1:]).sum(1)
+            else:
+                sums = self._granule_sums(scores, lead, rows, key_granules, tiles_per_granule)
             # the granules past this chunk's keys are added to the (granule-times smaller) sums, not to the tiles
-            lead, rows, key_granules = first_tile - lo // self.stride, -(-(hi - lo) // granule), -(-hi // granule)
-            pads = (0, key_granules * tiles_per_granule - mass.shape[2],
-                    lead, rows * tiles_per_granule - lead - mass.shape[1])
-            whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
-            sums = whole.view(mass.shape[0], rows, tiles_per_granule, key_granules, tiles_per_granule).sum(
-                (2, 4), dtype=torch.float32)
             parts.append(F.pad(sums, (0, num_granules - key_granules)) if key_granules < num_granules else sums)
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
+    def _granule_sums(self, scores: torch.Tensor, lead: int, rows: int, key_granules: int,
+                      tiles_per_granule: int) -> torch.Tensor:
+        """[Hk or Hq, rows, key_granules] float32 masses from scores [Hk, group, tiles, key tiles]: the softmax
+        of each tile row, zero tiles before the first query and past the last ones to whole granules, one
+        sum per granule (`softmax_granule_sums` is the one-kernel path)."""
+        probs = scores.softmax(-1)  # in the scores' dtype: half-precision probabilities (float32 inside) on the GPU
+        mass = probs.flatten(0, 1) if self.cover == "head" else probs.sum(1, dtype=torch.float32)
+        pads = (0, key_granules * tiles_per_granule - mass.shape[2], lead, rows * tiles_per_granule - lead - mass.shape[1])
+        whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
+        return whole.view(mass.shape[0], rows, tiles_per_granule, key_granules, tiles_per_granule).sum(
+            (2, 4), dtype=torch.float32)
+
+    def _granule_sums_kernel(self, q: torch.Tensor, granule: int):
+        """triton_xattention.softmax_granule_sums where it is asked for and applies (CUDA, the tiles per
+        granule a power of two); else None."""
+        tiles_per_granule = granule // self.stride
+        if not (self.fused_granule_sums and q.is_cuda) or tiles_per_granule & (tiles_per_granule - 1):
+            return None
+        from nanovllm.kernels.triton_xattention import softmax_granule_sums
+
+        return softmax_granule_sums
+
     def _fused_estimate(self, q: torch.Tensor, granule: int):
         """The Triton estimate (kernels/triton_xattention.py) where it is asked for and applies (the stride
-        and granule powers of two); else None, and `antidiagonal_mass`, its reference, runs."""
+        and granule powers of two); else None, and the PyTorch path, its reference, runs."""
         tiles_per_granule = granule // self.stride
         if not self.fused_estimate or self.stride & (self.stride - 1) or tiles_per_granule & (tiles_per_granule - 1):
             return None
@@ -461,14 +488,13 @@ def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor) -> torch.Ten
         num_kv_heads, num_key_tiles, stride * dim)
 
 
-def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, per_query_head: bool = False,
-                      key_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Estimated attention mass per (query tile, key tile) of `stride` positions, summed over the query
-    heads of each KV head: [Hk, query tiles, key tiles] (per_query_head: [Hq, ...], not summed), and the
-    first query tile's index. A pair's score
-    is the sum over its tile's antidiagonal of q.k (query row j with key row stride-1-j), scaled like one
-    dot product; softmax per query tile and head over the causally visible key tiles. key_rows: the keys'
-    `key_tile_rows`, where the caller has them (a view of a longer sequence's is not copied again)."""
+def antidiagonal_scores(q: torch.Tensor, keys: torch.Tensor, stride: int,
+                        key_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Scores [Hk, group, query tiles, key tiles] of (query tile, key tile) pairs of `stride` positions
+    (-inf for the causally hidden ones) and the first query tile's index. A pair's score is the sum over
+    its tile's antidiagonal of q.k (query row j with key row stride-1-j), scaled like one dot product.
+    key_rows: the keys' `key_tile_rows`, where the caller has them (a view of a longer sequence's is not
+    copied again)."""
     n_q, num_heads, dim = q.shape
     seq_len, num_kv_heads = keys.shape[:2]
     start = seq_len - n_q
@@ -486,8 +512,7 @@ def antidiagonal_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, per_quer
     # query tile t sees key tiles <= first_tile + t: hidden ones only among the last num_query_tiles columns
     hidden = torch.ones(num_query_tiles, num_query_tiles, dtype=torch.bool, device=q.device).triu_(1)
     scores[..., first_tile:].masked_fill_(hidden, float("-inf"))
-    probs = scores.softmax(-1)  # in `work`: half-precision probabilities (float32 inside) on the GPU
-    return (probs.flatten(0, 1) if per_query_head else probs.sum(1, dtype=torch.float32)), first_tile
+    return scores, first_tile
 
 
 class PrefillDecodeSelector(BlockSelector):
