@@ -895,3 +895,27 @@ def test_quest_page_select_decodes_alike_alone_and_beside_a_long_prefill(tiny_ll
     if offload:
         read = beside.metrics.host_kv_bytes_read + other.metrics.host_kv_bytes_read
         assert read == llm.runner.host_pool.stats.h2d_bytes > 0
+
+
+def test_fewest_covering_keeps_the_top_blocks_up_to_the_threshold_and_none_without_mass():
+    """Per row, the fewest blocks whose mass reaches the threshold (ranked by mass), against a loop over the
+    rows: blocks without mass never kept, a row without mass keeps nothing, threshold 1.0 keeps every block
+    with mass."""
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    g = torch.Generator().manual_seed(5)
+    blocks = torch.rand(3, 6, 20, generator=g) ** 4
+    blocks[0, :, 5:9] = 0.0
+    blocks[1, 2] = 0.0
+    for threshold in (0.5, 0.9, 0.999, 1.0):
+        selector = XAttentionSelector(None, None, threshold=threshold, stride=4, block_size=16, min_context=0)
+        got = selector._fewest_covering(blocks)
+        for h in range(3):
+            for r in range(6):
+                row, want = blocks[h, r], torch.zeros(20, dtype=torch.bool)
+                total, covered = float(row.sum()), 0.0
+                for c in row.argsort(descending=True).tolist():
+                    if row[c] == 0 or (threshold < 1.0 and covered >= threshold * total):
+                        break
+                    want[c], covered = True, covered + float(row[c])
+                assert torch.equal(got[h, r], want), (threshold, h, r)

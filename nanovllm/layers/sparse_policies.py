@@ -440,10 +440,13 @@ class XAttentionSelector(BlockSelector):
         """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""
         if self.threshold >= 1.0:
             return blocks > 0
-        share = blocks / blocks.sum(-1, keepdim=True).clamp(min=1e-30)
-        ordered, order = share.sort(-1, descending=True)
-        before = ordered.cumsum(-1) - ordered  # mass of the blocks ranked above each one
-        return torch.zeros_like(share, dtype=torch.bool).scatter_(-1, order, (before < self.threshold) & (ordered > 0))
+        ordered, order = blocks.sort(-1, descending=True)
+        running = ordered.cumsum(-1)
+        before = running - ordered  # mass of the blocks ranked above each one
+        # a block without mass ranks after every one with mass: its `before` is the row's total, never below a
+        # threshold < 1 of it; nor is anything in a row without mass. `order` permutes each row: every entry is written.
+        covering = before < running[..., -1:] * self.threshold
+        return torch.empty_like(covering).scatter_(-1, order, covering)
 
 
 def quest_top_reference(scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int) -> torch.Tensor:
