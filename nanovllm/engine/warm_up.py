@@ -95,7 +95,7 @@ def _cudnn_route(worker) -> None:
     a chunk over a cached prefix (its merge kernel)."""
     k_cache = worker.kv_cache.layer(0)[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if not (getattr(worker.backend, "cudnn_prefill", False) and cudnn_prefill.supports(k_cache.dtype, head_dim, worker.device)):
+    if not (getattr(worker.backend, "prefill_through_cudnn", False) and cudnn_prefill.supports(k_cache.dtype, head_dim, worker.device)):
         return
     config, chunk = worker.config, cudnn_prefill.MIN_QUERY_TOKENS
     num_heads = num_kv_heads * (worker.model.config.num_heads // worker.model.config.num_kv_heads)

@@ -36,7 +36,7 @@ class PrefillPlan:
 @register_attention_backend("triton")
 class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True
-    cudnn_prefill = True  # one long prefill sequence through cuDNN where takes_cudnn_route says so
+    prefill_through_cudnn = True  # one long prefill sequence through cuDNN where takes_cudnn_route says so
 
     def __init__(self) -> None:
         try:
@@ -90,7 +90,7 @@ class TritonPagedAttention(AttentionBackend):
         if key not in meta.plans:
             build = self._build_history_plan if history else self._build_plan
             meta.plans[key] = build(q.dtype, q.shape[-1], k_cache.shape[1], meta, q.device)
-            meta.plans[key].cudnn = not history and self.cudnn_prefill and takes_cudnn_route(q, k_cache, meta)
+            meta.plans[key].cudnn = not history and self.prefill_through_cudnn and takes_cudnn_route(q, k_cache, meta)
         return meta.plans[key]
 
     def _build_history_plan(self, dtype: torch.dtype, head_dim: int, block_size: int, meta: AttentionMetadata,
