@@ -29,7 +29,7 @@ patch_if_interpreting()
 
 BLOCK_TILES = 64  # query tiles and key tiles per block (rounded up to whole granules)
 NUM_WARPS = 4
-LOG2_E = 1.4426950408889634
+LOG2_E = tl.constexpr(1.4426950408889634)  # constexpr: read inside @triton.jit
 
 
 @triton.jit(do_not_specialize=["seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "stride_qt",
@@ -113,7 +113,7 @@ def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, gran
     running_max = torch.empty(num_heads, scratch_rows, key_blocks, dtype=torch.float32, device=q.device)
     _estimate_kernel[grid](
         q, keys, out, part, running_max, seq_len, seq_len - n_q, lo // stride, rows * tiles_per_granule, num_granules,
-        LOG2_E / (math.sqrt(head_dim) * stride), q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+        LOG2_E.value / (math.sqrt(head_dim) * stride), q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1),
         GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n,
