@@ -15,13 +15,15 @@
   alternating, with the density each prompt got (real attention patterns, unlike random weights).
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
-        [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--profile-kernels]
+        [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--async-peer]
+        [--profile-kernels]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,16 @@ from nanovllm.layers.kv_access import DeviceKV
 from nanovllm.layers.sparse_policies import XAttentionSelector
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 256
+
+
+@dataclass
+class DecodePeers:
+    """Which decode peers run beside dense and Quest at each budget (block selection, synchronous steps)."""
+
+    pages: bool = False  # Quest's page selection too
+    topk_peer: bool = False  # page selection through top-k + sort instead of the ordered top kernel
+    async_peer: bool = False  # the block selection with async scheduling (the next step launched first)
+    profile_kernels: bool = False  # each peer's kernels logged
 HOT_SHARE = 0.08  # share of key blocks per KV head that carry its query direction
 
 
@@ -137,17 +149,16 @@ def kernel_table(llm: LLM, steps: int) -> str:
             + averages.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=70))
 
 
-def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pages: bool = False,
-                 profile_kernels: bool = False, topk_peer: bool = False) -> dict:
-    """ms per step with dense attention and with Quest at each budget (and with its 16-token page selection
-    when `pages`; with `topk_peer` also through top-k + sort instead of the ordered top kernel), on the
-    running requests; with `profile_kernels` each peer's kernels are logged too."""
+def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, which: DecodePeers) -> dict:
+    """ms per step with dense attention and with Quest at each budget (and the peers `which` asks for),
+    on the running requests."""
     selector = llm.runner.worker.selector
     out = {}
-    peers = [("dense", None, False, True)] + [(f"quest_{b}", b, False, True) for b in budgets]
-    peers += [(f"quest_pages_{b}", b, True, True) for b in budgets] if pages else []
-    peers += [(f"quest_pages_{b}_topk", b, True, False) for b in budgets] if topk_peer else []
-    for name, budget, page_select, ordered in peers:
+    peers = [("dense", None, False, True, False)] + [(f"quest_{b}", b, False, True, False) for b in budgets]
+    peers += [(f"quest_{b}_async", b, False, True, True) for b in budgets] if which.async_peer else []
+    peers += [(f"quest_pages_{b}", b, True, True, False) for b in budgets] if which.pages else []
+    peers += [(f"quest_pages_{b}_topk", b, True, False, False) for b in budgets] if which.topk_peer else []
+    for name, budget, page_select, ordered, launched in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
             llm.runner.staged_decode = False  # offload: the eager split path, at the PCIe floor
@@ -155,6 +166,7 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pa
             selector.token_budget, selector.page_select, selector.ordered_top = budget, page_select, ordered
             llm.runner.set_block_selector(selector)
             llm.runner.recapture_decode_graphs()  # the narrowed decode graphs of this budget
+        llm.config = replace(llm.config, async_scheduling=launched)  # the engine reads it each step
         llm.step()  # untimed: compiles what this selection needs
         r = time_decode(llm, steps)
         if h2d and r["host_bytes_per_step"]:
@@ -162,8 +174,9 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pa
             r.update(pcie_floor_ms=floor, vs_floor=r["decode_ms"] / floor,
                      achieved_gbs=r["host_bytes_per_step"] / r["decode_ms"] / 1e6)
         out[name] = r
-        if profile_kernels:
+        if which.profile_kernels:
             log(f"  kernels of {name}, {steps} steps:\n" + kernel_table(llm, steps))
+    llm.config = replace(llm.config, async_scheduling=False)  # a synchronous step resolves one in flight
     for name, r in out.items():
         if name != "dense":
             r["speedup_vs_dense"] = out["dense"]["decode_ms"] / r["decode_ms"]
@@ -176,7 +189,7 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, pa
 
 
 def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, offload: bool, h2d: float | None,
-                 pages: bool = False, profile_kernels: bool = False, topk_peer: bool = False) -> list:
+                 which: DecodePeers) -> list:
     probe = LLM(config, num_gpu_blocks=1, load_format="dummy", enforce_eager=True)
     max_len, vocab = probe.config.max_model_len, probe.config.hf_config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in probe.runner.model.parameters())
@@ -199,8 +212,7 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     for batch, context in parsed:
         ids = prefill_requests(llm, random_prompts(vocab, batch, context, context + batch), steps)
         log(f"{'offload' if offload else 'GPU-only'} decode {batch}x{context}:")
-        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, pages, profile_kernels,
-                                                                                topk_peer)))
+        results.append(dict(batch=batch, context=context, **decode_peers(llm, budgets, steps, h2d, which)))
         for request_id in ids:
             llm.abort_request(request_id)
     llm = None
@@ -256,6 +268,7 @@ def main() -> None:
     ap.add_argument("--pages", action="store_true", help="decode peers with Quest's page selection too")
     ap.add_argument("--topk-peer", action="store_true",
                     help="page peers also through top-k + sort instead of the ordered top kernel (kernels/triton_quest.py)")
+    ap.add_argument("--async-peer", action="store_true", help="decode peers with async scheduling too")
     ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
@@ -265,6 +278,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="the longest N prompts of --samples-file")
     args = ap.parse_args()
     require_cuda()
+    which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels)
     results: dict = {}
     if not args.skip_prefill:
         results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride, args.cover) for c in args.contexts]
@@ -274,10 +288,10 @@ def main() -> None:
         log(f"pinned host->device bandwidth: {h2d / 1e9:.1f} GB/s")
         results["h2d_bandwidth_gbs"] = h2d / 1e9
         results["offload_decode"] = decode_cases(args.config, args.decode_cases, args.budgets, args.decode_steps,
-                                                 True, h2d, args.pages, args.profile_kernels, args.topk_peer)
+                                                 True, h2d, which)
     if not args.skip_gpu_only:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
-                                                  False, None, args.pages, args.profile_kernels, args.topk_peer)
+                                                  False, None, which)
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
     save_results("sparse", results)

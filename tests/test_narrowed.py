@@ -11,6 +11,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.step_plan import StepPlanner, WorkerLimits
+from nanovllm.engine.step_stats import DeferredStats
 from nanovllm.layers.block_metadata import BlockKeyBounds
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
 from nanovllm.layers.kv_access import column_tables, head_tables
@@ -141,6 +142,31 @@ def test_narrowed_steps_equal_the_eager_device_selection(tiny_llama, offload, de
     assert_same_outputs(got, want, 1e-5)
     if offload:
         assert sum(o.metrics.host_kv_bytes_read for o in got) == llm.runner.host_pool.stats.h2d_bytes > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_launched_narrowed_steps_count_the_same_work_without_waiting(tiny_llama):
+    """Under async scheduling a narrowed step's counts stay on the device when it is launched (its work is
+    recorded when its tokens arrive): same tokens, decode densities and host bytes as the synchronous engine."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 6)]
+    options = dict(quest_token_budget=2 * BS, quest_dense_layers=1, **memory_options(True))
+    sync = quest_engine(tiny_llama, True, **options)
+    want = sync.generate(PROMPTS, params, use_tqdm=False)
+    llm = quest_engine(tiny_llama, True, async_scheduling=True, **options)
+    seen, launch, unresolved = count_narrowed_steps(llm), llm.runner.worker.launch, []
+
+    def launching(plan):
+        tokens, stats = launch(plan)
+        if plan.narrowed:
+            unresolved.append(isinstance(stats, DeferredStats) and stats._stats is None)
+        return tokens, stats
+    llm.runner.worker.launch = launching
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert seen and unresolved and all(unresolved)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.metrics.host_kv_bytes_read == w.metrics.host_kv_bytes_read
+        assert g.metrics.decode_density == pytest.approx(w.metrics.decode_density) and g.metrics.decode_density < 1
+    assert llm.runner.host_pool.stats.h2d_bytes == sync.runner.host_pool.stats.h2d_bytes > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 

@@ -292,13 +292,17 @@ class LLMEngine:
         touched = self._resolve_pending(final_only) if self._pending is not None else []
         if not all(seq.is_finished for seq in pending.seqs):  # else every token of it would be dropped
             self._pending = (pending, indices)
+        else:
+            pending.record_work()
         return touched
 
     def _resolve_pending(self, final_only: bool) -> list[RequestState]:
         """Put the launched step's tokens in place of their placeholders, then stop checks as usual."""
         (pending, indices), self._pending = self._pending, None
         touched: list[RequestState] = []
-        for seq, index, token in zip(pending.seqs, indices, pending.tolist()):
+        tokens = pending.tolist()
+        pending.record_work()  # before the tokens: a request they finish reports this step's work too
+        for seq, index, token in zip(pending.seqs, indices, tokens):
             found = self._by_seq_id.get(seq.seq_id)
             if found is None or seq.is_finished:  # aborted, or stopped by the previous token
                 continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from nanovllm.distributed.executor import TensorParallelGroup
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlanner
-from nanovllm.engine.step_stats import SeqStepStats
+from nanovllm.engine.step_stats import SeqStepStats, resolved
 from nanovllm.engine.worker import Worker
 from nanovllm.layers.block_selector import BlockSelector
 
@@ -108,8 +109,8 @@ class ModelRunner:
         plan = self.planner.plan(scheduled, offloads, launched=True)
         tokens, stats = self.worker.launch(plan) if self.tp_group is None else \
             self.tp_group.run(self.worker, "launch", plan)
-        _record_work(scheduled, stats)
-        return PendingTokens([item.seq for item in scheduled if item.samples] if tokens is not None else [], tokens)
+        seqs = [item.seq for item in scheduled if item.samples] if tokens is not None else []
+        return PendingTokens(seqs, tokens, lambda: _record_work(scheduled, resolved(stats)))
 
 
 def _record_work(scheduled: list[ScheduledSeq], stats: dict[int, SeqStepStats]) -> None:
@@ -123,10 +124,11 @@ def _record_work(scheduled: list[ScheduledSeq], stats: dict[int, SeqStepStats]) 
 
 
 class PendingTokens:
-    """Tokens sampled by a launched step, on their way to the host."""
+    """Tokens sampled by a launched step, on their way to the host, and the step's attention work
+    (record_work adds it to the sequences' totals; it may wait for the device, as tolist does)."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None):
-        self.seqs = seqs
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, record_work: Callable[[], None]):
+        self.seqs, self.record_work = seqs, record_work
         self.ready: torch.cuda.Event | None = None
         self.host = tokens
         if tokens is not None and tokens.is_cuda:

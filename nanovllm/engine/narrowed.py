@@ -84,11 +84,6 @@ class NarrowedDecode:
             return HostKV(pool.mirror[0, layer], pool.mirror[1, layer], RING_BASE), False
         return HostKV(pool.host[0, layer], pool.host[1, layer], RING_BASE), True
 
-    def read_counts(self, rows: int) -> list[tuple[int, int]]:
-        """(columns read, host columns read in place) per row of the last narrowed step (waits for it);
-        columns_per_block of them make a block."""
-        return [tuple(r) for r in self.counts[:rows].tolist()]
-
 
 class NarrowedDecodeKV(KVAccess):
     """One narrowed decode step (module docstring); meta: the step's (or graph's) decode metadata."""

@@ -3,6 +3,9 @@ metrics (prefill and decode density, host KV bytes read)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
 
 from nanovllm.engine.offload.host_pool import HostKVPool
 from nanovllm.engine.step_plan import StepPlan
@@ -17,6 +20,37 @@ class SeqStepStats:
     prefill: tuple[int, int] = (0, 0)
     decode: tuple[int, int] = (0, 0)
     host_kv_bytes: int = 0
+
+
+class DeferredStats:
+    """A step's work still being counted on the device (a narrowed decode step's counts per row): copied
+    to the host without waiting, so that a launched step (async scheduling) does not wait for its own
+    forward pass; stats() waits for that copy only, once."""
+
+    def __init__(self, counts: torch.Tensor, to_stats: Callable[[list[list[int]]], dict[int, SeqStepStats]]):
+        self._to_stats, self._stats, self._ready = to_stats, None, None
+        if counts.is_cuda:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = counts.clone()  # the device buffer is reused by the next step
+
+    def stats(self) -> dict[int, SeqStepStats]:
+        if self._stats is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._stats = self._to_stats(self._host.tolist())
+        return self._stats
+
+
+StepStats = dict[int, SeqStepStats] | DeferredStats
+
+
+def resolved(stats: StepStats) -> dict[int, SeqStepStats]:
+    """The per-sequence work, waiting for a deferred count."""
+    return stats.stats() if isinstance(stats, DeferredStats) else stats
 
 
 class StepWork:
@@ -58,7 +92,7 @@ class StepWork:
         return {seq_id: SeqStepStats(tuple(p), tuple(d), b)
                 for seq_id, p, d, b in zip(plan.seq_ids, sparse.prefill, sparse.decode, sparse.host_bytes)}
 
-    def narrowed(self, plan: StepPlan, counts: list[tuple[int, int]], per_block: int = 1) -> dict[int, SeqStepStats]:
+    def narrowed(self, plan: StepPlan, counts: list[list[int]], per_block: int = 1) -> dict[int, SeqStepStats]:
         """A narrowed decode step (engine/narrowed.py) from its counts per row (columns read, host columns
         read in place; per_block columns make a block: pages count as their share of a block and of its
         bytes); the host bytes are added to the pool's transfer counts too."""

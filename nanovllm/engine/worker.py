@@ -23,7 +23,7 @@ from nanovllm.engine.offload import offload_kv_access
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
 from nanovllm.engine.step_plan import StepPlan, WorkerLimits
-from nanovllm.engine.step_stats import SeqStepStats, StepWork
+from nanovllm.engine.step_stats import DeferredStats, SeqStepStats, StepStats, StepWork, resolved
 from nanovllm.engine.warm_up import compile_step_variants
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
 from nanovllm.layers.block_selector import BlockSelector, DenseSelector, SparseStats
@@ -158,6 +158,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
         logits, prompt_logprobs, stats = self._logits(plan)
+        stats = resolved(stats)
         if logits is None or not self.tp.is_driver:
             return StepOutput({}, prompt_logprobs, stats)
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
@@ -166,9 +167,10 @@ class Worker:
                           prompt_logprobs, stats)
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, SeqStepStats]]:
+    def launch(self, plan: StepPlan) -> tuple[torch.Tensor | None, StepStats]:
         """Like execute() without logprobs, but nothing waits for the device: returns the sampled tokens
-        on the device, also kept in last_tokens as the next step's inputs for placeholder ids."""
+        on the device, also kept in last_tokens as the next step's inputs for placeholder ids, and the
+        step's work (deferred where the device counts it)."""
         logits, _, stats = self._logits(plan)
         if logits is None:
             return None, stats
@@ -195,7 +197,7 @@ class Worker:
             torch.cuda.empty_cache()
             self.graphs = self._capture_graphs()
 
-    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list], dict[int, SeqStepStats]]:
+    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list], StepStats]:
         """The forward pass: logits of the sampling rows (None when no sequence samples this step), the
         prompt logprobs and the step's attention work per sequence."""
         for seq_id in plan.released:
@@ -205,8 +207,9 @@ class Worker:
         self.selector.before_step(plan)
         if plan.narrowed:
             logits = self._narrowed_logits(plan)
-            counts = self.narrowed.read_counts(len(plan.seq_ids))
-            return logits, {}, self.work.narrowed(plan, counts, self.narrowed.columns_per_block)
+            per_block = self.narrowed.columns_per_block
+            return logits, {}, DeferredStats(self.narrowed.counts[: len(plan.seq_ids)],
+                                             lambda counts: self.work.narrowed(plan, counts, per_block))
         if plan.graph_batch is not None:
             tables, mode = plan.block_tables, "plain"
             if plan.staged_copies is not None:
