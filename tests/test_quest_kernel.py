@@ -170,3 +170,36 @@ def test_selector_narrows_through_one_compiled_top_kernel_variant():
         assert torch.equal(got, want)
         free += [b for t in tables for b in t]
     assert len(top_variants()) == compiled, [e.signature for e in top_variants()[compiled:]]
+
+
+@pytest.mark.parametrize("batch, heads, width, pages", [(3, 2, 5, 1), (2, 8, 10, 1), (1, 3, 7, 4)])
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host"])
+def test_narrowed_tables_kernel_equals_the_reference(batch, heads, width, pages, host):
+    """kernels/triton_narrowed.py against tables_and_counts on the CPU: kept positions ascending then -1
+    (a row keeping fewer), host entries >= the base, counts added to what the buffer held."""
+    pytest.importorskip("triton")
+    from nanovllm.engine.narrowed import tables_and_counts
+    from nanovllm.kernels.triton_narrowed import narrowed_tables
+
+    g = torch.Generator().manual_seed(batch * heads + width)
+    block_size, num_blocks = 64, 12
+    seq_lens = [num_blocks * block_size - 5 - 40 * i for i in range(batch)]
+    tables = torch.full((batch, num_blocks + 2), 7, dtype=torch.int64)  # a graph's padding past the blocks
+    for i, n in enumerate(seq_lens):
+        blocks = torch.randperm(50, generator=g)[: -(-n // block_size)]
+        on_host = torch.rand(blocks.shape, generator=g) < 0.5 if host else torch.zeros(blocks.shape, dtype=torch.bool)
+        tables[i, : len(blocks)] = torch.where(on_host, BASE + blocks, blocks)
+    layout = DecodeLayout.from_tensors(tables, torch.tensor(seq_lens), block_size, BASE).at(block_size // pages)
+    kept = torch.full((batch, heads, width), -1, dtype=torch.int64)
+    for i in range(batch):
+        for h in range(heads):
+            n = width - int(torch.randint(0, 3, (1,), generator=g))
+            kept[i, h, :n] = torch.randperm(int(layout.num_blocks[i]), generator=g)[:n].sort().values
+    start = torch.randint(0, 100, (batch, 2), generator=g)
+    want_counts, got_counts = start.clone(), start.clone().to(DEVICE)
+    want = tables_and_counts(layout, kept, want_counts, BASE if host else None)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    got = narrowed_tables(on(kept), on(layout.ids), on(layout.seq_lens), on(layout.num_blocks), layout.block_size,
+                          got_counts, BASE if host else None)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]) and got[1].dtype == torch.int32
+    assert torch.equal(got_counts.cpu(), want_counts) and (not host or bool((want_counts[:, 1] > start[:, 1]).any()))

@@ -111,19 +111,33 @@ class NarrowedDecodeKV(KVAccess):
                 self.counts[:, 1] += columns.on_host.sum(1) * (num_kv_heads * s.columns_per_block)
         else:
             columns = self.layout.at(s.selector.decode_page_size(s.block_size))
-            attend_meta, held = self._narrowed_meta(columns, kept)
-            self.counts[:, 0] += held.sum((1, 2))
-            if over_pcie:  # host columns are RING_BASE + their id in the tables, padding -1
-                self.counts[:, 1] += (attend_meta.block_tables_tensor >= RING_BASE).sum((1, 2))
+            attend_meta = self._narrowed_meta(columns, kept, RING_BASE if over_pcie else None)
         k_cache, v_cache, second = page_views(columns.block_size, k_cache, v_cache, second)
         return s.backend.forward(q, k_cache, v_cache, attend_meta, scale, host_kv=second)
 
-    def _narrowed_meta(self, columns: DecodeLayout, kept: torch.Tensor) -> tuple[AttentionMetadata, torch.Tensor]:
+    def _narrowed_meta(self, columns: DecodeLayout, kept: torch.Tensor, host_base: int | None) -> AttentionMetadata:
         """Per-KV-head decode metadata over the kept columns (blocks or pages, as positions), tables of a fixed
-        width; and which of the positions hold a column."""
+        width; the columns kept (and those read from the host: ids >= host_base) are added to the counts."""
         meta, page_size, width = self.meta, columns.block_size, kept.shape[-1]
-        tables, lengths = column_tables(columns, kept, page_size)
+        tables, lengths = tables_and_counts(columns, kept, self.counts, host_base)
         return AttentionMetadata(
             query_lens=meta.query_lens, seq_lens=[width * page_size] * meta.num_seqs, block_tables=[],
             slot_mapping=meta.slot_mapping, cu_query_lens=meta.cu_query_lens,
-            seq_lens_tensor=lengths.to(torch.int32), block_tables_tensor=tables, block_size=page_size), kept >= 0
+            seq_lens_tensor=lengths, block_tables_tensor=tables, block_size=page_size)
+
+
+def tables_and_counts(columns: DecodeLayout, kept: torch.Tensor, counts: torch.Tensor, host_base: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """column_tables (lengths as int32) of the kept positions, the kept columns added to counts[:, 0] and,
+    unless host_base is None, those read from the host (ids >= host_base) to counts[:, 1]. On CUDA one
+    Triton kernel (kernels/triton_narrowed.py) instead of a dozen small ones per layer."""
+    if kept.is_cuda:
+        from nanovllm.kernels.triton_narrowed import narrowed_tables
+
+        return narrowed_tables(kept, columns.ids, columns.seq_lens, columns.num_blocks, columns.block_size, counts,
+                               host_base)
+    tables, lengths = column_tables(columns, kept, columns.block_size)
+    counts[:, 0] += (kept >= 0).sum((1, 2))
+    if host_base is not None:  # padding is -1
+        counts[:, 1] += (tables >= host_base).sum((1, 2))
+    return tables, lengths.to(torch.int32)
