@@ -128,3 +128,23 @@ def test_rms_norm_over_the_last_dim_of_any_shape(triton_ops):
     weight = rand(64, dtype=torch.float32, seed=21)
     torch.testing.assert_close(triton_ops.rms_norm(x, weight, 1e-6), LayerOps().rms_norm(x, weight, 1e-6),
                                **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, head_dim", [(2, 16), (3, 80), (8, 128)])
+def test_store_kv_equals_index_copy(triton_ops, dtype, heads, head_dim):
+    """The one-launch KV write against the caches' two index_copy_ (engine/kv_cache.py's reference): k and
+    v as views of one projection (row strides past their width), slots in any order across blocks."""
+    from nanovllm.kernels.triton_fused import store_kv
+
+    blocks, block_size, tokens = 6, 16, 11
+    qkv = rand(tokens, 3 * heads * head_dim, dtype=dtype, seed=heads)
+    k = qkv[:, heads * head_dim: 2 * heads * head_dim].view(tokens, heads, head_dim)
+    v = qkv[:, 2 * heads * head_dim:].view(tokens, heads, head_dim)
+    cache = rand(2, blocks, block_size, heads, head_dim, dtype=dtype, seed=1)
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(heads))[:tokens].to(DEVICE)
+    want = cache.clone()
+    want[0].view(-1, heads, head_dim).index_copy_(0, slots, k)
+    want[1].view(-1, heads, head_dim).index_copy_(0, slots, v)
+    store_kv(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache, want)

@@ -50,6 +50,12 @@ class PagedKVCache:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, Hk, D] at the caches' flat slots [T]: on CUDA one Triton launch (kernels/triton_fused.py),
+    else two index_copy_ (its reference)."""
+    if k.is_cuda and k.dtype == k_cache.dtype == v.dtype == v_cache.dtype and k.stride(-1) == v.stride(-1) == 1:
+        from nanovllm.kernels.triton_fused import store_kv as store_kv_triton
+
+        return store_kv_triton(k, v, k_cache, v_cache, slots)
     num_heads, head_dim = k.shape[1:]
     k_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v)
