@@ -134,7 +134,8 @@ def test_rms_norm_over_the_last_dim_of_any_shape(triton_ops):
 @pytest.mark.parametrize("heads, head_dim", [(2, 16), (3, 80), (8, 128)])
 def test_store_kv_equals_index_copy(triton_ops, dtype, heads, head_dim):
     """The one-launch KV write against the caches' two index_copy_ (engine/kv_cache.py's reference): k and
-    v as views of one projection (row strides past their width), slots in any order across blocks."""
+    v as views of one projection (row strides past their width), slots in any order across blocks and
+    strided (a decode graph's slots are a column of its input rows)."""
     from nanovllm.kernels.triton_fused import store_kv
 
     blocks, block_size, tokens = 6, 16, 11
@@ -142,7 +143,9 @@ def test_store_kv_equals_index_copy(triton_ops, dtype, heads, head_dim):
     k = qkv[:, heads * head_dim: 2 * heads * head_dim].view(tokens, heads, head_dim)
     v = qkv[:, 2 * heads * head_dim:].view(tokens, heads, head_dim)
     cache = rand(2, blocks, block_size, heads, head_dim, dtype=dtype, seed=1)
-    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(heads))[:tokens].to(DEVICE)
+    rows = torch.zeros(tokens, 5, dtype=torch.int64, device=DEVICE)
+    rows[:, 2] = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(heads))[:tokens]
+    slots = rows[:, 2]
     want = cache.clone()
     want[0].view(-1, heads, head_dim).index_copy_(0, slots, k)
     want[1].view(-1, heads, head_dim).index_copy_(0, slots, v)

@@ -149,11 +149,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, num_heads, head_dim,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, num_heads, head_dim, stride_slots,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
                      HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + token)
+    slot = tl.load(slots_ptr + token * stride_slots).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, DIM_PAD)[None, :]
     mask = (h < num_heads) & (d < head_dim)
@@ -164,8 +164,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, num_head
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """k, v [T, Hk, D] (unit last stride) into the caches' flat slots [T] (viewed [slots, Hk, D], the
-    same strides for both): one launch where two index_copy_ take two."""
+    """k, v [T, Hk, D] (unit last stride) into the caches' flat slots [T] (any stride: a decode graph's
+    slots are a column of its input rows) of the caches viewed [slots, Hk, D] (the same strides for both):
+    one launch where two index_copy_ take two."""
     tokens, num_heads, head_dim = k.shape
     k_flat, v_flat = k_cache.view(-1, num_heads, head_dim), v_cache.view(-1, num_heads, head_dim)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_flat.stride() != v_flat.stride() or k_flat.stride(-1) != 1:
@@ -173,7 +174,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if tokens == 0:
         return
     _store_kv_kernel[(tokens,)](
-        k, v, k_flat, v_flat, slots, num_heads, head_dim, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_flat, v_flat, slots, num_heads, head_dim, slots.stride(0), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1),
         k_flat.stride(0), k_flat.stride(1), HEADS_PAD=triton.next_power_of_2(num_heads),
         DIM_PAD=triton.next_power_of_2(head_dim), num_warps=_warps(num_heads * head_dim),
     )

@@ -25,7 +25,7 @@ NO_HOST = -1  # host_base when no column is counted as read from the host
 def _narrowed_tables_kernel(
     kept_ptr, ids_ptr, seq_lens_ptr, num_columns_ptr, tables_ptr, lengths_ptr, counts_ptr,
     num_heads, width, column_size, host_base,
-    stride_kb, stride_kh, stride_kw, stride_ib, stride_tb, stride_th, stride_lb, stride_cb,
+    stride_kb, stride_kh, stride_kw, stride_ib, stride_sb, stride_nb, stride_tb, stride_th, stride_lb, stride_cb,
     HEADS_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr, COUNT_HOST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -38,8 +38,8 @@ def _narrowed_tables_kernel(
     ids = tl.load(ids_ptr + row * stride_ib + tl.where(held, kept, 0), mask=held, other=-1)
     tl.store(tables_ptr + row * stride_tb + heads[:, None] * stride_th + cols[None, :], ids, mask=inside)
     per_head = tl.sum(held.to(tl.int64), 1)
-    missing = tl.load(num_columns_ptr + row) - per_head  # dropped columns: full ones, before the last
-    lengths = tl.load(seq_lens_ptr + row) - missing * column_size
+    missing = tl.load(num_columns_ptr + row * stride_nb) - per_head  # dropped columns: full ones, before the last
+    lengths = tl.load(seq_lens_ptr + row * stride_sb) - missing * column_size
     tl.store(lengths_ptr + row * stride_lb + heads, lengths.to(tl.int32), mask=heads < num_heads)
     counts = counts_ptr + row * stride_cb
     tl.store(counts, tl.load(counts) + tl.sum(per_head, 0))
@@ -52,7 +52,7 @@ def narrowed_tables(kept: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tenso
                     column_size: int, counts: torch.Tensor, host_base: int | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tables [B, Hk, W] int64, lengths [B, Hk] int32) of kept [B, Hk, W] over ids [B, C] int64, with
-    seq_lens and num_columns [B] int64; counts [B, 2] int64 gets the kept columns added in column 0 and,
+    seq_lens and num_columns [B] int64 (any strides, as kept's); counts [B, 2] int64 gets the kept columns added in column 0 and,
     unless host_base is None, those whose id >= host_base in column 1. Shapes alone fix the launch."""
     batch, heads, width = kept.shape
     for name, t in (("kept", kept), ("ids", ids), ("seq_lens", seq_lens), ("num_columns", num_columns),
@@ -66,7 +66,8 @@ def narrowed_tables(kept: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tenso
     _narrowed_tables_kernel[(batch,)](
         kept, ids, seq_lens, num_columns, tables, lengths, counts, heads, width, column_size,
         NO_HOST if host_base is None else host_base,
-        kept.stride(0), kept.stride(1), kept.stride(2), ids.stride(0), tables.stride(0), tables.stride(1),
+        kept.stride(0), kept.stride(1), kept.stride(2), ids.stride(0), seq_lens.stride(0), num_columns.stride(0),
+        tables.stride(0), tables.stride(1),
         lengths.stride(0), counts.stride(0),
         HEADS_PAD=triton.next_power_of_2(heads), WIDTH_PAD=triton.next_power_of_2(width),
         COUNT_HOST=host_base is not None, num_warps=4,
