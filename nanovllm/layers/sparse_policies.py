@@ -166,7 +166,7 @@ class QuestSelector(BlockSelector):
         per_block = layout.block_size // page_size
         scores = self.batch_block_scores(layer, q, num_kv_heads, layout, pages=per_block > 1)  # [B, Hk, C]
         sink, recent = self.sink_blocks * per_block, self.recent_blocks * per_block
-        ends = layout.num_blocks * per_block  # [B] each row's columns
+        ends = layout.at(page_size).num_blocks  # [B] each row's columns (counted once per step, not per layer)
         budget = min(self._budget(layout.block_size), max(0, scores.shape[-1] - sink - recent))
         if self.ordered_top and scores.is_cuda:
             from nanovllm.kernels.triton_quest import ordered_top_columns
