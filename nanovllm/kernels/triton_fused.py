@@ -174,10 +174,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if tokens == 0:
         return
     _store_kv_kernel[(tokens,)](
-        k, v, k_flat, v_flat, slots, num_heads, head_dim, slots.stride(0), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1),
-        k_flat.stride(0), k_flat.stride(1), HEADS_PAD=triton.next_power_of_2(num_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim), num_warps=_warps(num_heads * head_dim),
+        k, v, k_flat, v_flat, slots, num_heads, head_dim, slots.stride(0), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), k_flat.stride(0), k_flat.stride(1),
+        HEADS_PAD=triton.next_power_of_2(num_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=_warps(num_heads * head_dim),
     )
 
 

@@ -52,8 +52,9 @@ def narrowed_tables(kept: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tenso
                     column_size: int, counts: torch.Tensor, host_base: int | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tables [B, Hk, W] int64, lengths [B, Hk] int32) of kept [B, Hk, W] over ids [B, C] int64, with
-    seq_lens and num_columns [B] int64 (any strides, as kept's); counts [B, 2] int64 gets the kept columns added in column 0 and,
-    unless host_base is None, those whose id >= host_base in column 1. Shapes alone fix the launch."""
+    seq_lens and num_columns [B] int64 (any strides, as kept's); counts [B, 2] int64 gets the kept columns
+    added in column 0 and, unless host_base is None, those whose id >= host_base in column 1. Shapes alone
+    fix the launch."""
     batch, heads, width = kept.shape
     for name, t in (("kept", kept), ("ids", ids), ("seq_lens", seq_lens), ("num_columns", num_columns),
                     ("counts", counts)):
@@ -67,8 +68,7 @@ def narrowed_tables(kept: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tenso
         kept, ids, seq_lens, num_columns, tables, lengths, counts, heads, width, column_size,
         NO_HOST if host_base is None else host_base,
         kept.stride(0), kept.stride(1), kept.stride(2), ids.stride(0), seq_lens.stride(0), num_columns.stride(0),
-        tables.stride(0), tables.stride(1),
-        lengths.stride(0), counts.stride(0),
+        tables.stride(0), tables.stride(1), lengths.stride(0), counts.stride(0),
         HEADS_PAD=triton.next_power_of_2(heads), WIDTH_PAD=triton.next_power_of_2(width),
         COUNT_HOST=host_base is not None, num_warps=4,
     )
