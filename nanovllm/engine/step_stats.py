@@ -23,25 +23,28 @@ class SeqStepStats:
 
 
 class DeferredStats:
-    """A step's work still being counted on the device (a narrowed decode step's counts per row): copied
-    to the host without waiting, so that a launched step (async scheduling) does not wait for its own
-    forward pass; stats() waits for that copy only, once."""
+    """A step's work still being counted on the device (a narrowed decode step's counts per row, in a buffer
+    the next step reuses). A synchronous step reads it at once (stats()); a launched step (async scheduling)
+    copies it to the host without waiting (copy_to_host()), and stats() then waits for that copy only."""
 
     def __init__(self, counts: torch.Tensor, to_stats: Callable[[list[list[int]]], dict[int, SeqStepStats]]):
-        self._to_stats, self._stats, self._ready = to_stats, None, None
-        if counts.is_cuda:
-            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self._host.copy_(counts, non_blocking=True)
+        self._counts, self._to_stats, self._stats, self._ready = counts, to_stats, None, None
+
+    def copy_to_host(self) -> None:
+        if self._counts.is_cuda:
+            host = torch.empty(self._counts.shape, dtype=self._counts.dtype, pin_memory=True)
+            host.copy_(self._counts, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
+            self._counts = host
         else:
-            self._host = counts.clone()  # the device buffer is reused by the next step
+            self._counts = self._counts.clone()
 
     def stats(self) -> dict[int, SeqStepStats]:
         if self._stats is None:
             if self._ready is not None:
                 self._ready.synchronize()
-            self._stats = self._to_stats(self._host.tolist())
+            self._stats = self._to_stats(self._counts.tolist())
         return self._stats
 
 

@@ -172,6 +172,8 @@ class Worker:
         on the device, also kept in last_tokens as the next step's inputs for placeholder ids, and the
         step's work (deferred where the device counts it)."""
         logits, _, stats = self._logits(plan)
+        if isinstance(stats, DeferredStats):
+            stats.copy_to_host()  # the next step reuses the device buffer
         if logits is None:
             return None, stats
         if self.tp.is_driver:
