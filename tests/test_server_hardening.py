@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("pydantic")  # the server extra; a bare GPU image may lack it
 
 from nanovllm.server.protocol import ChatRequest, CompletionRequest
 from server_helpers import ServerProcess
