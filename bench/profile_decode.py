@@ -1,5 +1,6 @@
 """Where a decode step's time goes: torch.profiler over eager decode steps, kernels grouped by kind,
-and the CUDA-graph step time beside the HBM floor of the same step, with the kernels its graphs replay.
+and the CUDA-graph step time beside the HBM floor of the same step, with the kernels its graphs replay and
+the graph steps' timeline (GPU busy, launch latency, gaps between kernels, host time after the last kernel).
 
     PYTHONPATH=. python3 bench/profile_decode.py [--config bench/configs/llama-3.1-8b] [--batch 1] [--context 1024]
         [--sparse-policy quest --quest-token-budget 2048]
@@ -17,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from common import HERE, kind_of, log, measure_hbm_bandwidth, require_cuda, save_results
+from timeline import timeline_of
 from nanovllm import LLM, SamplingParams
 
 KINDS = [("attention", ("paged", "attention", "merge")), ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "matmul")),
@@ -49,11 +51,12 @@ def main() -> None:
                   enforce_eager=eager, gpu_memory_utilization=0.9 if sparse else 0.5, **sparse)
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
         results["eager_ms" if eager else "graph_ms"] = step_time_ms(llm, prompts, args.steps)
-        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if sparse and eager else [])
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if sparse or not eager else [])
         with profile(activities=activities) as prof:
             step_time_ms(llm, prompts, args.steps)
         if not eager:  # the kernels replayed inside the graphs
             graph_table = prof.key_averages().table(sort_by="device_time_total", row_limit=15)
+            graph_timeline = timeline_of(prof)
         weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
         del llm
         gc.collect()  # the engine's reference cycles hold its memory until collected
@@ -72,6 +75,7 @@ def main() -> None:
         log(f"  {kind:24s} {ms:6.2f} ms/step")
     log(prof.key_averages().table(sort_by="device_time_total", row_limit=12))
     log("kernels of the CUDA-graph steps:\n" + graph_table)
+    log(graph_timeline)
     if sparse:
         log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     save_results("profile_decode", results)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from common import HERE, cuda_ms, log, require_cuda, save_results, sdpa_causal_ms
+from timeline import timeline_of
 from offload import ACTIVATION_GIB, CARD_GIB, measure_h2d_bandwidth, parse_cases, random_prompts, release_memory, \
     time_decode
 from nanovllm import LLM, SamplingParams
@@ -138,15 +139,16 @@ def prefill_requests(llm: LLM, prompts: list[list[int]], decode_steps: int) -> l
 
 
 def kernel_table(llm: LLM, steps: int) -> str:
-    """The kernels of `steps` decode steps (those replayed in graphs included) by device time, and the step's
-    host-side (CUDA API) calls: where a step's time goes beyond its bytes' PCIe floor."""
+    """The kernels of `steps` decode steps (those replayed in graphs included) by device time, the step's
+    host-side (CUDA API) calls and its timeline: where a step's time goes beyond its bytes' PCIe floor."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         time_decode(llm, steps)
     averages = prof.key_averages()
     return (averages.table(sort_by="device_time_total", row_limit=14, max_name_column_width=70)
-            + averages.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=70))
+            + averages.table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=70)
+            + timeline_of(prof))
 
 
 def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, which: DecodePeers) -> dict:
