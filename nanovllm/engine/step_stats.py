@@ -24,8 +24,10 @@ class SeqStepStats:
 
 class DeferredStats:
     """A step's work still being counted on the device (a narrowed decode step's counts per row, in a buffer
-    the next step reuses). A synchronous step reads it at once (stats()); a launched step (async scheduling)
-    copies it to the host without waiting (copy_to_host()), and stats() then waits for that copy only."""
+    the next step reuses). The worker copies it to the host without waiting (copy_to_host(), queued behind
+    the forward pass and before sampling) and stats() waits for that copy only: a synchronous step reads it
+    after its tokens, when the copy is done (reading it before sampling cost a round trip and left the GPU
+    idle while the sampler was set up); a launched step (async scheduling) when its tokens arrive."""
 
     def __init__(self, counts: torch.Tensor, to_stats: Callable[[list[list[int]]], dict[int, SeqStepStats]]):
         self._counts, self._to_stats, self._stats, self._ready = counts, to_stats, None, None

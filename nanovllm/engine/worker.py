@@ -158,13 +158,14 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
         logits, prompt_logprobs, stats = self._logits(plan)
-        stats = resolved(stats)
+        if isinstance(stats, DeferredStats):
+            stats.copy_to_host()  # behind the forward pass: read after the tokens, without a wait of its own
         if logits is None or not self.tp.is_driver:
-            return StepOutput({}, prompt_logprobs, stats)
+            return StepOutput({}, prompt_logprobs, resolved(stats))
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
         out = sample(logits, plan.sample_params, generators, self.default_generator, plan.sample_history)
         return StepOutput({i: (t, lp) for i, t, lp in zip(plan.sample_seq_ids, out.token_ids, out.logprobs)},
-                          prompt_logprobs, stats)
+                          prompt_logprobs, resolved(stats))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> tuple[torch.Tensor | None, StepStats]:
