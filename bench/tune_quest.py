@@ -1,8 +1,11 @@
 """Sweep the Quest block-score kernel's launch options on Llama-3.1-8B decode shapes (32 query heads,
 8 KV heads, head_dim 128, 256-token blocks of 16-token pages, bf16 bounds); print the bounds' bytes
-read per call over the kernel time as a fraction of the measured HBM copy bandwidth.
+read per call over the kernel time as a fraction of the measured HBM copy bandwidth. Then the ordered
+top kernel on page scores of the same shapes (budget 2048 tokens = 128 pages, sink and recent block's
+pages): columns in groups of a block's pages (the group threshold first) against plain columns, and
+top-k + sort (the reference), same results checked.
 
-    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16]
+    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only]
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from common import cuda_ms, log, measure_hbm_bandwidth, require_cuda, save_results
 from nanovllm.kernels import triton_quest
+from nanovllm.layers.sparse_policies import quest_top_reference
 
 HEADS, KV_HEADS, DIM, BLOCK, PAGE = 32, 8, 128, 256, 16
 
@@ -33,8 +37,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--top-only", action="store_true", help="only the ordered top kernel")
     args = ap.parse_args()
     require_cuda()
+    results = [time_top(batch, context) for batch, context in itertools.product(args.batches, args.contexts)]
+    if not args.top_only:
+        results += sweep_scores(args)
+    save_results("tune_quest", results)
+
+
+def time_top(batch: int, context: int, budget_tokens: int = 2048) -> dict:
+    """Quest's page selection of one layer: the ordered top kernel with and without the group threshold."""
+    per_block, columns = BLOCK // PAGE, -(-context // BLOCK) * (BLOCK // PAGE)
+    scores = torch.randn(batch, KV_HEADS, columns, device="cuda")
+    ends = torch.full((batch,), columns, dtype=torch.int64, device="cuda")
+    call = (scores, ends, per_block, budget_tokens // PAGE, per_block)
+    want = quest_top_reference(*call)
+    ms = {}
+    for name, grouped in (("columns", 1), ("groups", per_block)):
+        assert torch.equal(triton_quest.ordered_top_columns(*call, grouped=grouped), want), name
+        ms[name] = cuda_ms(lambda: triton_quest.ordered_top_columns(*call, grouped=grouped))  # noqa: B023
+    ms["topk_sort"] = cuda_ms(lambda: quest_top_reference(*call))
+    log(f"ordered top, {batch} x {context} ({columns} page columns, budget {budget_tokens // PAGE}): groups "
+        f"{ms['groups'] * 1e3:.1f} us, columns {ms['columns'] * 1e3:.1f} us ({ms['columns'] / ms['groups']:.2f}x), "
+        f"top-k + sort {ms['topk_sort'] * 1e3:.1f} us ({ms['topk_sort'] / ms['groups']:.2f}x)")
+    return dict(kernel="ordered_top", batch=batch, context=context, ms=ms)
+
+
+def sweep_scores(args) -> list[dict]:
     bandwidth = measure_hbm_bandwidth()
     results = []
     for batch, context in itertools.product(args.batches, args.contexts):
@@ -56,8 +86,8 @@ def main() -> None:
         for r in rows[:4]:
             log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
                 f"{default['ms'] / r['ms']:.2f}x the default")
-        results.append(dict(batch=batch, context=context, bytes=nbytes, rows=rows))
-    save_results("tune_quest", results)
+        results.append(dict(kernel="quest_scores", batch=batch, context=context, bytes=nbytes, rows=rows))
+    return results
 
 
 if __name__ == "__main__":

@@ -95,12 +95,14 @@ print("ok")
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("grouped", [1, 4], ids=["columns", "groups-of-4"])
 @pytest.mark.parametrize("chunk", [None, 64, 1024], ids=["row-in-registers", "chunked", "wider-than-the-row"])
 @pytest.mark.parametrize("sink, budget, recent", [(16, 64, 16), (4, 10, 4), (16, 100, 16), (1, 0, 1)])
-def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent):
+def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent, grouped):
     """Quest's kept positions from one Triton kernel (radix select on the scores' order keys, ordered
     compaction) equal top-k + sort: negative and positive scores, rows ending early (-inf past their
-    keys), rows with fewer candidates than the budget, a row shorter than its sink and recent columns."""
+    keys), rows with fewer candidates than the budget, a row shorter than its sink and recent columns;
+    with columns in groups (a block's pages) the columns below the groups' threshold are dropped first."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns
     from nanovllm.layers.sparse_policies import quest_top_reference
@@ -111,11 +113,44 @@ def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent):
     for b, end in enumerate(ends.tolist()):
         scores[b, :, end:] = float("-inf")
     want = quest_top_reference(scores, ends, sink, budget, recent)
-    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, chunk=chunk)
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, chunk=chunk, grouped=grouped)
     assert torch.equal(got.cpu(), want)
 
 
-def test_ordered_top_columns_with_ties_keep_a_top_set_in_order():
+@pytest.mark.parametrize("grouped", [1, 16])
+@pytest.mark.parametrize("step", [0.0, 2.0**-22, 2.0**-14], ids=["all-equal", "last-bits", "low-bytes"])
+def test_ordered_top_columns_over_narrow_score_ranges(step, grouped):
+    """Distinct scores that share their high bytes (the radix select takes those digits as known without
+    counting them) give top-k + sort's columns, and all-equal scores the first middle columns (the
+    kernel's rule for ties); a high group among low ones exercises the group threshold's pruning."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import ordered_top_columns
+    from nanovllm.layers.sparse_policies import quest_top_reference
+
+    g = torch.Generator().manual_seed(7)
+    scores = 1.5 + step * torch.stack([torch.randperm(512, generator=g) for _ in range(6)]).view(2, 3, 512).float()
+    scores[1, :, 64:80] += 1.0  # one high group of 16 in the second row
+    ends = torch.tensor([512, 500])
+    scores[1, :, 500:] = float("-inf")
+    sink, budget, recent = 16, 40, 16
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, grouped=grouped).cpu()
+    if step:
+        assert torch.equal(got, quest_top_reference(scores, ends, sink, budget, recent))
+    else:
+        assert got[0, :, sink:sink + budget].tolist() == [list(range(sink, sink + budget))] * 3
+        assert got[1, :, sink:sink + budget].tolist() == [list(range(sink, sink + 24)) + list(range(64, 80))] * 3
+
+
+def test_ordered_top_columns_groups_must_be_a_power_of_two():
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import ordered_top_columns
+
+    with pytest.raises(ValueError, match="power of two"):
+        ordered_top_columns(torch.zeros(1, 1, 64, device=DEVICE), torch.tensor([64], device=DEVICE), 1, 8, 1, grouped=3)
+
+
+@pytest.mark.parametrize("grouped", [1, 8])
+def test_ordered_top_columns_with_ties_keep_a_top_set_in_order(grouped):
     """Tied scores at the threshold: exactly `budget` columns, none scoring below a dropped middle column,
     ascending (which of the tied columns is free: the kernel keeps the first)."""
     pytest.importorskip("triton")
@@ -123,7 +158,7 @@ def test_ordered_top_columns_with_ties_keep_a_top_set_in_order():
 
     scores = torch.randint(-3, 3, (2, 3, 200), generator=torch.Generator().manual_seed(1)).float()
     ends, sink, budget, recent = torch.tensor([200, 150]), 8, 40, 8
-    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent).cpu()
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, grouped=grouped).cpu()
     for b, end in enumerate(ends.tolist()):
         for h in range(3):
             top = got[b, h, sink:sink + budget]

@@ -171,7 +171,7 @@ class QuestSelector(BlockSelector):
         if self.ordered_top and scores.is_cuda:
             from nanovllm.kernels.triton_quest import ordered_top_columns
 
-            return ordered_top_columns(scores, ends, sink, budget, recent, self._top_chunk(layout.block_size))
+            return ordered_top_columns(scores, ends, sink, budget, recent, self._top_chunk(layout.block_size), per_block)
         return quest_top_reference(scores, ends, sink, budget, recent)
 
     def _max_columns(self, block_size: int) -> int | None:
@@ -201,7 +201,7 @@ class QuestSelector(BlockSelector):
             scores = torch.zeros(1, num_kv_heads, width, dtype=torch.float32, device=device)
             ends = torch.full((1,), width, dtype=torch.int64, device=device)
             ordered_top_columns(scores, ends, sink, max(0, min(self._budget(block_size), width - sink - recent)),
-                                recent, chunk)
+                                recent, chunk, per_block)
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
