@@ -120,8 +120,8 @@ def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent, gr
 @pytest.mark.parametrize("grouped", [1, 16])
 @pytest.mark.parametrize("step", [0.0, 2.0**-22, 2.0**-14], ids=["all-equal", "last-bits", "low-bytes"])
 def test_ordered_top_columns_over_narrow_score_ranges(step, grouped):
-    """Distinct scores that share their high bytes (the radix select takes those digits as known without
-    counting them) give top-k + sort's columns, and all-equal scores the first middle columns (the
+    """Distinct scores that share their high bytes (with groups the radix selects take those digits as known
+    without counting them) give top-k + sort's columns, and all-equal scores the first middle columns (the
     kernel's rule for ties); a high group among low ones exercises the group threshold's pruning."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns

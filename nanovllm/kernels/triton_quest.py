@@ -143,26 +143,32 @@ def _common_prefix(keys):
 
 
 @triton.jit
-def _radix_threshold(scores_ptr, keys, lo, hi, budget, num_columns, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+def _radix_threshold(scores_ptr, keys, lo, hi, budget, num_columns, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr,
+                     SKIP_SHARED: tl.constexpr):
     """(t, need): the budget-th largest candidate key t, one 8-bit digit at a time from the top, and the number
-    of candidates equal to t to keep; too few candidates: t = 1 (every candidate kept). In registers the
-    high bytes all candidates share are taken as known (no histogram of a digit with a single value)."""
+    of candidates equal to t to keep; too few candidates: t = 1 (every candidate kept). SKIP_SHARED (keys
+    in registers): the high bytes all candidates share are taken as known (no histogram of a digit with a
+    single value)."""
     bins = tl.arange(0, 256)
     t = tl.full([], 0, tl.int64)
     prefix_mask = tl.full([], 0, tl.int64)
     need = budget
-    if IN_REGISTERS:
+    if SKIP_SHARED:
         candidates = tl.sum((keys > 0).to(tl.int32), 0)
     else:
         counts = _digit_histogram(scores_ptr, keys, lo, hi, t, prefix_mask, 24, num_columns, CHUNK, IN_REGISTERS)
         candidates = tl.sum(counts, 0)
     if candidates > budget:
-        if IN_REGISTERS:
+        if SKIP_SHARED:
             t, prefix_mask = _common_prefix(keys)
         for step in tl.static_range(4):
             shift = 24 - 8 * step
-            if ((prefix_mask >> shift) & 255) == 0:
-                if step > 0 or IN_REGISTERS:
+            if SKIP_SHARED:
+                todo = ((prefix_mask >> shift) & 255) == 0
+            else:
+                todo = True
+            if todo:
+                if step > 0 or SKIP_SHARED:
                     counts = _digit_histogram(scores_ptr, keys, lo, hi, t, prefix_mask, shift, num_columns, CHUNK,
                                               IN_REGISTERS)
                 at_least = tl.cumsum(counts, 0, reverse=True)  # candidates with this digit or a higher one
@@ -185,7 +191,8 @@ def _ordered_top_kernel(
     order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once. GROUPED > 1
     (in registers): columns come in groups of GROUPED (a block's pages); the budget-th largest group
     maximum is a lower bound of the budget-th largest column (budget groups hold a column at or above it),
-    so the columns below it are dropped before the columns' own select."""
+    so the columns below it are dropped before the columns' own select, and both selects skip the high
+    bytes their candidates share."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     end = tl.load(ends_ptr + b).to(tl.int32)
@@ -197,9 +204,9 @@ def _ordered_top_kernel(
     keys = _order_keys(row, offs, lo, hi)  # the row when IN_REGISTERS, else its first chunk (unused)
     if GROUPED > 1:
         group_max = tl.max(tl.reshape(keys, [CHUNK // GROUPED, GROUPED]), 1)
-        floor, _ = _radix_threshold(row, group_max, lo, hi, budget, num_columns, CHUNK // GROUPED, True)
+        floor, _ = _radix_threshold(row, group_max, lo, hi, budget, num_columns, CHUNK // GROUPED, True, True)
         keys = tl.where(keys >= floor, keys, 0)
-    t, need = _radix_threshold(row, keys, lo, hi, budget, num_columns, CHUNK, IN_REGISTERS)
+    t, need = _radix_threshold(row, keys, lo, hi, budget, num_columns, CHUNK, IN_REGISTERS, GROUPED > 1)
     written = 0
     equal_seen = 0
     for start in range(0, num_columns, CHUNK):  # ordered compaction of the kept columns
@@ -239,7 +246,8 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     result (ties at the threshold: the first columns). chunk: columns per pass (default: the row's
     `ordered_top_chunk`, a variant per power of two; a fixed one serves every narrower row). grouped: the
     columns come in groups of this many (Quest's pages of a block, a power of two): a row held in registers
-    first drops the columns below its groups' budget-th largest maximum (the same result, fewer candidates)."""
+    first drops the columns below its groups' budget-th largest maximum (the same result, fewer candidates;
+    `QuestSelector.group_threshold`)."""
     batch, heads, num_columns = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("scores must be float32 with contiguous rows")
