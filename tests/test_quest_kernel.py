@@ -3,6 +3,8 @@ PyTorch reference, on random bounds of device and host blocks (Triton's CPU inte
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -75,9 +77,6 @@ def test_request_dependent_scalars_compile_no_new_kernel_variant():
     """Triton specialises integer arguments on == 1 and divisibility by 16; arguments whose values change
     from step to step (table widths, split counts) must opt out, or a new value compiles a variant on the
     request path. Checked on the compiled (not interpreted) kernels."""
-    import subprocess
-    import sys
-
     code = """
 from nanovllm.kernels import triton_paged_attention as t, triton_quest as q, triton_xattention as x
 wanted = {t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
@@ -92,6 +91,31 @@ print("ok")
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_ordered_top_kernel_compiles_for_sm90_without_a_gpu():
+    """The interpreter accepts code the compiler rejects (a plain global in a jit function, once): the top
+    kernel's variants (page rows with the group threshold, block rows, rows read in chunks) compiled for
+    sm_90 through Triton's own ptxas, no GPU needed."""
+    pytest.importorskip("triton")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.triton_quest import _ordered_top_kernel as kernel
+sig = {name: "i32" for name in kernel.arg_names[3:9]}
+sig.update(scores_ptr="*fp32", ends_ptr="*i64", out_ptr="*i64")
+sig.update({name: "constexpr" for name in kernel.arg_names[9:]})
+for chunk, in_registers, grouped in [(8192, True, 16), (512, True, 1), (16384, False, 1)]:
+    consts = dict(SINK=16, RECENT=16, FIXED_PAD=16, CHUNK=chunk, IN_REGISTERS=in_registers, GROUPED=grouped)
+    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 16})
+    assert compiled.asm["cubin"]
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
