@@ -45,7 +45,12 @@ def smollm2_path() -> Path:
     return fetch_model("smollm2-135m", progress=False)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a case parametrised on the CUDA device is a `cuda` case: `-m cuda` selects it too
+        params = getattr(item, "callspec", None)
+        if params is not None and any(str(value) == "cuda" for value in params.params.values()):
+            item.add_marker(pytest.mark.cuda)
     if torch.cuda.is_available():
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
