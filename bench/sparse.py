@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,20 @@ class DecodePeers:
     async_peer: bool = False  # the block selection with async scheduling (the next step launched first)
     profile_kernels: bool = False  # each peer's kernels logged
     group_threshold: bool = False  # page selection through the top kernel's group threshold too
+
+
+class Peer(NamedTuple):
+    """One decode peer: Quest at `budget` (None: dense) selecting pages or blocks, through the ordered top
+    kernel (and its group threshold) or top-k + sort, with synchronous or launched (async) steps."""
+
+    name: str
+    budget: int | None
+    pages: bool = False
+    ordered: bool = True
+    launched: bool = False
+    groups: bool = False
+
+
 HOT_SHARE = 0.08  # share of key blocks per KV head that carry its query direction
 
 
@@ -157,11 +172,11 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
     on the running requests."""
     selector = llm.runner.worker.selector
     out = {}
-    peers = [("dense", None, False, True, False, False)] + [(f"quest_{b}", b, False, True, False, False) for b in budgets]
-    peers += [(f"quest_{b}_async", b, False, True, True, False) for b in budgets] if which.async_peer else []
-    peers += [(f"quest_pages_{b}", b, True, True, False, False) for b in budgets] if which.pages else []
-    peers += [(f"quest_pages_{b}_topk", b, True, False, False, False) for b in budgets] if which.topk_peer else []
-    peers += [(f"quest_pages_{b}_groups", b, True, True, False, True) for b in budgets] if which.group_threshold else []
+    peers = [Peer("dense", None)] + [Peer(f"quest_{b}", b) for b in budgets]
+    peers += [Peer(f"quest_{b}_async", b, launched=True) for b in budgets] if which.async_peer else []
+    peers += [Peer(f"quest_pages_{b}", b, pages=True) for b in budgets] if which.pages else []
+    peers += [Peer(f"quest_pages_{b}_topk", b, pages=True, ordered=False) for b in budgets] if which.topk_peer else []
+    peers += [Peer(f"quest_pages_{b}_groups", b, pages=True, groups=True) for b in budgets] if which.group_threshold else []
     for name, budget, page_select, ordered, launched, groups in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
