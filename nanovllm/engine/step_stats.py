@@ -24,23 +24,20 @@ class SeqStepStats:
 
 class DeferredStats:
     """A step's work still being counted on the device (a narrowed decode step's counts per row, in a buffer
-    the next step reuses). The worker copies it to the host without waiting (copy_to_host(), queued behind
-    the forward pass and before sampling) and stats() waits for that copy only: a synchronous step reads it
-    after its tokens, when the copy is done (reading it before sampling cost a round trip and left the GPU
-    idle while the sampler was set up); a launched step (async scheduling) when its tokens arrive."""
+    the next step reuses), copied to the host at construction without waiting (queued behind the forward
+    pass, before sampling); stats() waits for that copy only. A synchronous step reads it after its tokens,
+    when the copy is done (reading it before sampling cost a round trip and left the GPU idle while the
+    sampler was set up); a launched step (async scheduling) when its tokens arrive."""
 
     def __init__(self, counts: torch.Tensor, to_stats: Callable[[list[list[int]]], dict[int, SeqStepStats]]):
-        self._counts, self._to_stats, self._stats, self._ready = counts, to_stats, None, None
-
-    def copy_to_host(self) -> None:
-        if self._counts.is_cuda:
-            host = torch.empty(self._counts.shape, dtype=self._counts.dtype, pin_memory=True)
-            host.copy_(self._counts, non_blocking=True)
+        self._to_stats, self._stats, self._ready = to_stats, None, None
+        if counts.is_cuda:
+            self._counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._counts.copy_(counts, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
-            self._counts = host
         else:
-            self._counts = self._counts.clone()
+            self._counts = counts.clone()
 
     def stats(self) -> dict[int, SeqStepStats]:
         if self._stats is None:

@@ -158,8 +158,6 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
         logits, prompt_logprobs, stats = self._logits(plan)
-        if isinstance(stats, DeferredStats):
-            stats.copy_to_host()  # behind the forward pass: read after the tokens, without a wait of its own
         if logits is None or not self.tp.is_driver:
             return StepOutput({}, prompt_logprobs, resolved(stats))
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
@@ -173,8 +171,6 @@ class Worker:
         on the device, also kept in last_tokens as the next step's inputs for placeholder ids, and the
         step's work (deferred where the device counts it)."""
         logits, _, stats = self._logits(plan)
-        if isinstance(stats, DeferredStats):
-            stats.copy_to_host()  # the next step reuses the device buffer
         if logits is None:
             return None, stats
         if self.tp.is_driver:
