@@ -2,8 +2,7 @@
 8 KV heads, head_dim 128, 256-token blocks of 16-token pages, bf16 bounds); print the bounds' bytes
 read per call over the kernel time as a fraction of the measured HBM copy bandwidth. Then the ordered
 top kernel on page scores of the same shapes (budget 2048 tokens = 128 pages, sink and recent block's
-pages): columns in groups of a block's pages (the group threshold first) against plain columns, and
-top-k + sort (the reference), same results checked.
+pages) against top-k + sort (the reference), same results checked.
 
     PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only]
 """
@@ -47,20 +46,16 @@ def main() -> None:
 
 
 def time_top(batch: int, context: int, budget_tokens: int = 2048) -> dict:
-    """Quest's page selection of one layer: the ordered top kernel with and without the group threshold."""
+    """Quest's page selection of one layer: the ordered top kernel against top-k + sort."""
     per_block, columns = BLOCK // PAGE, -(-context // BLOCK) * (BLOCK // PAGE)
     scores = torch.randn(batch, KV_HEADS, columns, device="cuda")
     ends = torch.full((batch,), columns, dtype=torch.int64, device="cuda")
     call = (scores, ends, per_block, budget_tokens // PAGE, per_block)
-    want = quest_top_reference(*call)
-    ms = {}
-    for name, grouped in (("columns", 1), ("groups", per_block)):
-        assert torch.equal(triton_quest.ordered_top_columns(*call, grouped=grouped), want), name
-        ms[name] = cuda_ms(lambda: triton_quest.ordered_top_columns(*call, grouped=grouped))  # noqa: B023
-    ms["topk_sort"] = cuda_ms(lambda: quest_top_reference(*call))
-    log(f"ordered top, {batch} x {context} ({columns} page columns, budget {budget_tokens // PAGE}): groups "
-        f"{ms['groups'] * 1e3:.1f} us, columns {ms['columns'] * 1e3:.1f} us ({ms['columns'] / ms['groups']:.2f}x), "
-        f"top-k + sort {ms['topk_sort'] * 1e3:.1f} us ({ms['topk_sort'] / ms['groups']:.2f}x)")
+    assert torch.equal(triton_quest.ordered_top_columns(*call), quest_top_reference(*call))
+    ms = {"columns": cuda_ms(lambda: triton_quest.ordered_top_columns(*call)),
+          "topk_sort": cuda_ms(lambda: quest_top_reference(*call))}
+    log(f"ordered top, {batch} x {context} ({columns} page columns, budget {budget_tokens // PAGE}): "
+        f"{ms['columns'] * 1e3:.1f} us, top-k + sort {ms['topk_sort'] * 1e3:.1f} us ({ms['topk_sort'] / ms['columns']:.2f}x)")
     return dict(kernel="ordered_top", batch=batch, context=context, ms=ms)
 
 

@@ -96,7 +96,7 @@ print("ok")
 
 def test_ordered_top_kernel_compiles_for_sm90_without_a_gpu():
     """The interpreter accepts code the compiler rejects (a plain global in a jit function, once): the top
-    kernel's variants (page rows with the group threshold, block rows, rows read in chunks) compiled for
+    kernel's variants (page rows, block rows, rows read in chunks) compiled for
     sm_90 through Triton's own ptxas, no GPU needed."""
     pytest.importorskip("triton")
     code = """
@@ -107,8 +107,8 @@ from nanovllm.kernels.triton_quest import _ordered_top_kernel as kernel
 sig = {name: "i32" for name in kernel.arg_names[3:9]}
 sig.update(scores_ptr="*fp32", ends_ptr="*i64", out_ptr="*i64")
 sig.update({name: "constexpr" for name in kernel.arg_names[9:]})
-for chunk, in_registers, grouped in [(8192, True, 16), (512, True, 1), (16384, False, 1)]:
-    consts = dict(SINK=16, RECENT=16, FIXED_PAD=16, CHUNK=chunk, IN_REGISTERS=in_registers, GROUPED=grouped)
+for chunk, in_registers in [(8192, True), (512, True), (16384, False)]:
+    consts = dict(SINK=16, RECENT=16, FIXED_PAD=16, CHUNK=chunk, IN_REGISTERS=in_registers)
     compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 16})
     assert compiled.asm["cubin"]
@@ -119,14 +119,12 @@ print("ok")
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("grouped", [1, 4], ids=["columns", "groups-of-4"])
 @pytest.mark.parametrize("chunk", [None, 64, 1024], ids=["row-in-registers", "chunked", "wider-than-the-row"])
 @pytest.mark.parametrize("sink, budget, recent", [(16, 64, 16), (4, 10, 4), (16, 100, 16), (1, 0, 1)])
-def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent, grouped):
+def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent):
     """Quest's kept positions from one Triton kernel (radix select on the scores' order keys, ordered
     compaction) equal top-k + sort: negative and positive scores, rows ending early (-inf past their
-    keys), rows with fewer candidates than the budget, a row shorter than its sink and recent columns;
-    with columns in groups (a block's pages) the columns below the groups' threshold are dropped first."""
+    keys), rows with fewer candidates than the budget, a row shorter than its sink and recent columns."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns
     from nanovllm.layers.sparse_policies import quest_top_reference
@@ -137,16 +135,15 @@ def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent, gr
     for b, end in enumerate(ends.tolist()):
         scores[b, :, end:] = float("-inf")
     want = quest_top_reference(scores, ends, sink, budget, recent)
-    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, chunk=chunk, grouped=grouped)
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, chunk=chunk)
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("grouped", [1, 16])
 @pytest.mark.parametrize("step", [0.0, 2.0**-22, 2.0**-14], ids=["all-equal", "last-bits", "low-bytes"])
-def test_ordered_top_columns_over_narrow_score_ranges(step, grouped):
-    """Distinct scores that share their high bytes (with groups the radix selects take those digits as known
-    without counting them) give top-k + sort's columns, and all-equal scores the first middle columns (the
-    kernel's rule for ties); a high group among low ones exercises the group threshold's pruning."""
+def test_ordered_top_columns_over_narrow_score_ranges(step):
+    """Distinct scores that share their high bytes (the radix select's first digits are all alike) give
+    top-k + sort's columns, and all-equal scores the first middle columns (the kernel's rule for ties) but
+    for a high run of 16 in one row."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns
     from nanovllm.layers.sparse_policies import quest_top_reference
@@ -157,7 +154,7 @@ def test_ordered_top_columns_over_narrow_score_ranges(step, grouped):
     ends = torch.tensor([512, 500])
     scores[1, :, 500:] = float("-inf")
     sink, budget, recent = 16, 40, 16
-    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, grouped=grouped).cpu()
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent).cpu()
     if step:
         assert torch.equal(got, quest_top_reference(scores, ends, sink, budget, recent))
     else:
@@ -165,16 +162,7 @@ def test_ordered_top_columns_over_narrow_score_ranges(step, grouped):
         assert got[1, :, sink:sink + budget].tolist() == [list(range(sink, sink + 24)) + list(range(64, 80))] * 3
 
 
-def test_ordered_top_columns_groups_must_be_a_power_of_two():
-    pytest.importorskip("triton")
-    from nanovllm.kernels.triton_quest import ordered_top_columns
-
-    with pytest.raises(ValueError, match="power of two"):
-        ordered_top_columns(torch.zeros(1, 1, 64, device=DEVICE), torch.tensor([64], device=DEVICE), 1, 8, 1, grouped=3)
-
-
-@pytest.mark.parametrize("grouped", [1, 8])
-def test_ordered_top_columns_with_ties_keep_a_top_set_in_order(grouped):
+def test_ordered_top_columns_with_ties_keep_a_top_set_in_order():
     """Tied scores at the threshold: exactly `budget` columns, none scoring below a dropped middle column,
     ascending (which of the tied columns is free: the kernel keeps the first)."""
     pytest.importorskip("triton")
@@ -182,7 +170,7 @@ def test_ordered_top_columns_with_ties_keep_a_top_set_in_order(grouped):
 
     scores = torch.randint(-3, 3, (2, 3, 200), generator=torch.Generator().manual_seed(1)).float()
     ends, sink, budget, recent = torch.tensor([200, 150]), 8, 40, 8
-    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent, grouped=grouped).cpu()
+    got = ordered_top_columns(scores.to(DEVICE), ends.to(DEVICE), sink, budget, recent).cpu()
     for b, end in enumerate(ends.tolist()):
         for h in range(3):
             top = got[b, h, sink:sink + budget]

@@ -130,3 +130,24 @@ def test_granule_mass_through_the_sums_kernel_equals_the_torch_path(cover):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # the PyTorch path rounds probabilities to bf16
     kept = fused.sequence_selection(q.to(DEVICE), keys.to(DEVICE), 64)
     assert float((kept == reference.sequence_selection(q.to(DEVICE), keys.to(DEVICE), 64)).float().mean()) > 0.99
+
+
+@pytest.mark.parametrize("kv_block, xattn_block, stride", [(16, 16, 4), (16, 64, 8), (256, 128, 16)])
+def test_warm_up_runs_the_sums_kernel_variant_a_prefill_runs(monkeypatch, kv_block, xattn_block, stride):
+    """XAttentionSelector.warm_up (the engine's start-up) calls the granule-sums kernel with the scores' dtype and
+    tiles per granule of a sparse prefill's selection, so that no request compiles it (the H200's compile watch
+    caught the first xattention prefill compiling it). The kernel is recorded, not run: any device."""
+    calls = []
+
+    def recorded(scores, lead, rows, key_granules, tiles_per_granule):
+        calls.append((scores.dtype, tiles_per_granule))
+        return torch.zeros(scores.shape[0], rows, key_granules)
+
+    monkeypatch.setattr(XAttentionSelector, "_granule_sums_kernel", lambda self, q, granule: recorded)
+    cache = type("Cache", (), {"data": torch.zeros(2, 1, 1, kv_block, 2, 16, dtype=torch.bfloat16)})()
+    s = XAttentionSelector(cache, None, threshold=0.8, stride=stride, block_size=xattn_block, min_context=0)
+    s.warm_up(2, torch.device("cpu"))
+    warmed = calls[:]
+    q, keys = inputs(3 * max(kv_block, xattn_block), 2 * max(kv_block, xattn_block), 2, 2, 16, torch.bfloat16)
+    s.sequence_selection(q, keys, kv_block)
+    assert len(warmed) == 1 and calls[1:] and set(calls[1:]) == set(warmed)

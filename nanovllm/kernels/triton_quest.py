@@ -128,71 +128,14 @@ def _digit_histogram(scores_ptr, keys, lo, hi, prefix, prefix_mask, shift, num_c
     return counts
 
 
-@triton.jit
-def _common_prefix(keys):
-    """(prefix, mask) of the high bytes every candidate (key > 0) shares: digits a radix select need not count."""
-    top = tl.max(keys, 0)
-    bottom = tl.min(tl.where(keys > 0, keys, top), 0)
-    mask = tl.full([], 0, tl.int64)
-    same = top == top
-    for step in tl.static_range(4):
-        byte = tl.full([], 255, tl.int64) << (24 - 8 * step)
-        same = same & ((top & byte) == (bottom & byte))
-        mask += tl.where(same, byte, 0)
-    return top & mask, mask
-
-
-@triton.jit
-def _radix_threshold(scores_ptr, keys, lo, hi, budget, num_columns, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr,
-                     SKIP_SHARED: tl.constexpr):
-    """(t, need): the budget-th largest candidate key t, one 8-bit digit at a time from the top, and the number
-    of candidates equal to t to keep; too few candidates: t = 1 (every candidate kept). SKIP_SHARED (keys
-    in registers): the high bytes all candidates share are taken as known (no histogram of a digit with a
-    single value)."""
-    bins = tl.arange(0, 256)
-    t = tl.full([], 0, tl.int64)
-    prefix_mask = tl.full([], 0, tl.int64)
-    need = budget
-    if SKIP_SHARED:
-        candidates = tl.sum((keys > 0).to(tl.int32), 0)
-    else:
-        counts = _digit_histogram(scores_ptr, keys, lo, hi, t, prefix_mask, 24, num_columns, CHUNK, IN_REGISTERS)
-        candidates = tl.sum(counts, 0)
-    if candidates > budget:
-        if SKIP_SHARED:
-            t, prefix_mask = _common_prefix(keys)
-        for step in tl.static_range(4):
-            shift = 24 - 8 * step
-            if SKIP_SHARED:
-                todo = ((prefix_mask >> shift) & 255) == 0
-            else:
-                todo = True
-            if todo:
-                if step > 0 or SKIP_SHARED:
-                    counts = _digit_histogram(scores_ptr, keys, lo, hi, t, prefix_mask, shift, num_columns, CHUNK,
-                                              IN_REGISTERS)
-                at_least = tl.cumsum(counts, 0, reverse=True)  # candidates with this digit or a higher one
-                digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
-                need -= tl.sum(tl.where(bins > digit, counts, 0), 0)
-                t += digit.to(tl.int64) << shift
-                prefix_mask += tl.full([], 255, tl.int64) << shift
-    else:
-        t = tl.full([], 1, tl.int64)
-    return t, need
-
-
 @triton.jit(do_not_specialize=["num_columns", "budget", "stride_sb", "stride_sh", "stride_ob", "stride_oh"])
 def _ordered_top_kernel(
     scores_ptr, ends_ptr, out_ptr, num_columns, budget, stride_sb, stride_sh, stride_ob, stride_oh,
     SINK: tl.constexpr, RECENT: tl.constexpr, FIXED_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    IN_REGISTERS: tl.constexpr, GROUPED: tl.constexpr,
+    IN_REGISTERS: tl.constexpr,
 ):
     """One (sequence, KV head) row: the sink's columns, the budget's top columns of the middle in column
-    order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once. GROUPED > 1
-    (in registers): columns come in groups of GROUPED (a block's pages); the budget-th largest group
-    maximum is a lower bound of the budget-th largest column (budget groups hold a column at or above it),
-    so the columns below it are dropped before the columns' own select, and both selects skip the high
-    bytes their candidates share."""
+    order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     end = tl.load(ends_ptr + b).to(tl.int32)
@@ -201,12 +144,26 @@ def _ordered_top_kernel(
     lo = SINK
     hi = end - RECENT
     offs = tl.arange(0, CHUNK)
+    bins = tl.arange(0, 256)
     keys = _order_keys(row, offs, lo, hi)  # the row when IN_REGISTERS, else its first chunk (unused)
-    if GROUPED > 1:
-        group_max = tl.max(tl.reshape(keys, [CHUNK // GROUPED, GROUPED]), 1)
-        floor, _ = _radix_threshold(row, group_max, lo, hi, budget, num_columns, CHUNK // GROUPED, True, True)
-        keys = tl.where(keys >= floor, keys, 0)
-    t, need = _radix_threshold(row, keys, lo, hi, budget, num_columns, CHUNK, IN_REGISTERS, GROUPED > 1)
+    # the budget-th largest key t, one 8-bit digit at a time from the top (radix select); `need` ends as
+    # the number of columns equal to t to keep. Too few candidates: t = 1, every candidate kept.
+    t = tl.full([], 0, tl.int64)
+    prefix_mask = tl.full([], 0, tl.int64)
+    need = budget
+    counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, 24, num_columns, CHUNK, IN_REGISTERS)
+    if tl.sum(counts, 0) > budget:
+        for step in tl.static_range(4):
+            shift = 24 - 8 * step
+            if step > 0:
+                counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, shift, num_columns, CHUNK, IN_REGISTERS)
+            at_least = tl.cumsum(counts, 0, reverse=True)  # candidates with this digit or a higher one
+            digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
+            need -= tl.sum(tl.where(bins > digit, counts, 0), 0)
+            t += digit.to(tl.int64) << shift
+            prefix_mask += tl.full([], 255, tl.int64) << shift
+    else:
+        t = tl.full([], 1, tl.int64)
     written = 0
     equal_seen = 0
     for start in range(0, num_columns, CHUNK):  # ordered compaction of the kept columns
@@ -236,7 +193,7 @@ def ordered_top_chunk(max_columns: int) -> int:
 
 
 def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int,
-                        chunk: int | None = None, grouped: int = 1) -> torch.Tensor:
+                        chunk: int | None = None) -> torch.Tensor:
     """Quest's kept columns as positions [B, Hk, sink + budget + recent] (int64, -1 for none) from page or
     block scores [B, Hk, C] float32 (-inf: no keys) and each row's column count ends [B]: the sink's
     columns, the top `budget` columns of the middle [sink, end - recent) in column order, the recent
@@ -244,22 +201,15 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     its bits (four 256-bin histograms of the row, held in registers up to MAX_ROW_IN_REGISTERS columns),
     then compacts the columns at or above it in order: no top-k, no sort. `quest_top_reference` defines the
     result (ties at the threshold: the first columns). chunk: columns per pass (default: the row's
-    `ordered_top_chunk`, a variant per power of two; a fixed one serves every narrower row). grouped: the
-    columns come in groups of this many (Quest's pages of a block, a power of two): a row held in registers
-    first drops the columns below its groups' budget-th largest maximum (the same result, fewer candidates;
-    `QuestSelector.group_threshold`)."""
+    `ordered_top_chunk`, a variant per power of two; a fixed one serves every narrower row)."""
     batch, heads, num_columns = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("scores must be float32 with contiguous rows")
     chunk = chunk or ordered_top_chunk(num_columns)
-    if grouped < 1 or grouped & (grouped - 1):
-        raise ValueError(f"grouped must be a power of two, got {grouped}")
-    in_registers = chunk >= num_columns
     out = torch.empty(batch, heads, sink + budget + recent, dtype=torch.int64, device=scores.device)
     _ordered_top_kernel[(batch, heads)](
         scores, ends, out, num_columns, budget, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         SINK=sink, RECENT=recent, FIXED_PAD=triton.next_power_of_2(max(sink, recent, 1)), CHUNK=chunk,
-        IN_REGISTERS=in_registers, GROUPED=grouped if in_registers and chunk > grouped else 1,
-        num_warps=max(4, min(16, chunk // 512)),
+        IN_REGISTERS=chunk >= num_columns, num_warps=max(4, min(16, chunk // 512)),
     )
     return out

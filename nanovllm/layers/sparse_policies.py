@@ -60,9 +60,6 @@ class QuestSelector(BlockSelector):
         # narrow() on CUDA through one Triton kernel (kernels/triton_quest.ordered_top_columns) instead of
         # top-k + sort (1.13x the narrowed 128K offload step at budget 2048, docs/BENCHMARKS.md)
         self.ordered_top = True
-        # page rows through the top kernel's group threshold (ordered_top_columns' grouped): the same columns;
-        # off until timed on the GPU (checked under the interpreter and compiled for sm_90 only)
-        self.group_threshold = False
         if bounds.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
 
@@ -174,8 +171,7 @@ class QuestSelector(BlockSelector):
         if self.ordered_top and scores.is_cuda:
             from nanovllm.kernels.triton_quest import ordered_top_columns
 
-            return ordered_top_columns(scores, ends, sink, budget, recent, self._top_chunk(layout.block_size),
-                                       per_block if self.group_threshold else 1)
+            return ordered_top_columns(scores, ends, sink, budget, recent, self._top_chunk(layout.block_size))
         return quest_top_reference(scores, ends, sink, budget, recent)
 
     def _max_columns(self, block_size: int) -> int | None:
@@ -205,7 +201,7 @@ class QuestSelector(BlockSelector):
             scores = torch.zeros(1, num_kv_heads, width, dtype=torch.float32, device=device)
             ends = torch.full((1,), width, dtype=torch.int64, device=device)
             ordered_top_columns(scores, ends, sink, max(0, min(self._budget(block_size), width - sink - recent)),
-                                recent, chunk, per_block if self.group_threshold else 1)
+                                recent, chunk)
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
@@ -271,6 +267,16 @@ class XAttentionSelector(BlockSelector):
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
         self.fused_granule_sums = True
+
+    def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
+        """Compiles the granule-sums kernel's variant of this engine (the scores' dtype, the tiles per granule):
+        the engine's warm-up steps are below min_context or too short to select."""
+        granule = max(self.cache.data.shape[3], self.block_size)
+        q = torch.empty(0, dtype=self.cache.data.dtype, device=device)
+        sums = self._granule_sums_kernel(q, granule)
+        if sums is not None:
+            tiles = granule // self.stride
+            sums(torch.zeros(1, tiles, tiles, dtype=_work_dtype(q), device=device), 0, 1, 1, tiles)
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return True  # a prefill policy: decode rows attend to every block
