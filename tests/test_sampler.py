@@ -208,6 +208,6 @@ def test_fused_sampler_path_without_adjustments_is_unchanged(fused, monkeypatch)
 
     monkeypatch.setattr(sampler_module, "adjust_logits", refuse)
     monkeypatch.setattr(sampler_module, "_use_fused", lambda logits, params: True)
-    logits = torch.randn(2, 300)
+    logits = torch.randn(2, 300, device="cuda" if torch.cuda.is_available() else "cpu")
     out = sample(logits, [SamplingParams(temperature=0)] * 2, [None, None], None)
     assert out.token_ids == logits.argmax(-1).tolist()

@@ -1,0 +1,174 @@
+"""Quest's decode page choice against dense attention on real RULER samples, end to end (generated answers scored).
+
+`bench/quest_recall.py` measures the attention mass a rule keeps on a few teacher-forced decode steps; that proxy
+did not predict RULER (docs/BENCHMARKS.md, sixteenth session). This runs the engine itself: the same prompts are
+generated once per rule in one engine (prefix caching shares the prefills, which are dense under every rule), only
+the page scores Quest ranks are replaced (`QuestSelector.batch_block_scores`), and each rule's answers are scored
+as RULER scores them. Rules, each per KV head over 16-token pages, the top `quest_token_budget` tokens of pages
+plus the sink and the most recent block as the engine keeps them:
+
+- full: no page dropped (the budget covers the context);
+- engine: the engine's own scores, unreplaced (the same as group max, through the engine's code);
+- group max: Quest as built (each query head's upper bound sum_d max(q_d max_d, q_d min_d), the maximum over the
+  KV head's query heads);
+- oracle: the true softmax mass of each page (q . k over the page's keys), summed over the group: the best any
+  bound-free rule could choose at this budget (needs the keys: device pool only);
+- oracle max: the true mass, the maximum over the group's query heads;
+- group softmax: each query head's bounds as a softmax over the pages, summed over the group;
+- mean query: the bound of the group's mean query.
+
+CPU or GPU (eager steps), page selection only:
+
+    python bench/quest_rules.py --model ~/.cache/nanovllm/smollm2-135m --samples-file .models/smol_ruler_4k8k.json.gz \\
+        --tasks niah_multivalue niah_multiquery --lengths 8192 --samples 8 --rules full "group max" oracle
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections import defaultdict
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.eval.ruler.run import load_samples
+from nanovllm.eval.ruler.scoring import sample_score
+from nanovllm.eval.ruler.tasks import TASKS, resolve_tasks
+from nanovllm.eval.ruler.templates import Prompter
+from nanovllm.layers.block_selector import DecodeLayout
+from nanovllm.layers.sparse_policies import QuestSelector
+
+RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "mean query")
+
+
+def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
+    """[B, Hk, group, pages]: each query head's Quest bound on each page of its sequence's blocks."""
+    lo, hi = selector.bounds.layout_pages(layer, layout)  # [B, pages, Hk, D]
+    lo, hi = lo.float().permute(0, 2, 3, 1), hi.float().permute(0, 2, 3, 1)  # [B, Hk, D, pages]
+    q = q.float().view(q.shape[0], lo.shape[1], -1, q.shape[-1])
+    return q.clamp(min=0) @ hi + q.clamp(max=0) @ lo
+
+
+def head_mass(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
+    """[B, Hk, group, pages]: each query head's true softmax mass on each page (keys read from the device pool)."""
+    keys = selector.bounds.keys[layer]  # [blocks, block_size, Hk, D]
+    if bool(layout.on_host.any()):
+        raise ValueError("the oracle rules read keys from the device pool: run without offload")
+    batch, width = layout.blocks.shape
+    k = keys[layout.blocks.clamp(min=0)].flatten(1, 2).float()  # [B, tokens, Hk, D]
+    q = q.float().view(batch, k.shape[2], -1, q.shape[-1])  # [B, Hk, group, D]
+    logits = torch.einsum("bhgd,bthd->bhgt", q, k) / math.sqrt(q.shape[-1])
+    present = torch.arange(k.shape[1], device=q.device)[None, :] < layout.seq_lens[:, None]
+    p = torch.softmax(logits.masked_fill(~present[:, None, None, :], float("-inf")), -1)
+    return p.view(*p.shape[:-1], -1, selector.bounds.page_size).sum(-1)
+
+
+def rule_scores(rule: str):
+    """A replacement for QuestSelector.batch_block_scores ranking pages by `rule`."""
+    def scores(self: QuestSelector, layer, q, num_kv_heads, layout, pages=False):
+        if not pages:
+            raise ValueError("bench/quest_rules.py compares page selections (quest_page_select=True)")
+        scale = 1 / math.sqrt(q.shape[-1])
+        if rule == "group max":
+            s = head_bounds(self, layer, q, layout).amax(2)
+        elif rule == "oracle":
+            s = head_mass(self, layer, q, layout).sum(2)
+        elif rule == "oracle max":
+            s = head_mass(self, layer, q, layout).amax(2)
+        elif rule == "group softmax":
+            b = head_bounds(self, layer, q, layout)
+            s = torch.softmax(b.masked_fill(~_holding(self, layout)[:, None, None], float("-inf")) * scale, -1).sum(2)
+        elif rule == "mean query":
+            mean = q.view(q.shape[0], num_kv_heads, -1, q.shape[-1]).mean(2, keepdim=True)
+            s = head_bounds(self, layer, mean.expand(-1, -1, 1, -1).flatten(1, 2), layout).amax(2)
+        else:
+            raise ValueError(f"unknown rule {rule!r}")
+        return s.masked_fill(~_holding(self, layout)[:, None], float("-inf"))
+    return scores
+
+
+def _holding(selector: QuestSelector, layout: DecodeLayout) -> torch.Tensor:
+    """[B, pages] pages that hold keys."""
+    pages = layout.blocks.shape[1] * selector.bounds.pages_per_block
+    written = -(-layout.seq_lens // selector.bounds.page_size)
+    return torch.arange(pages, device=layout.seq_lens.device)[None, :] < written[:, None]
+
+
+def run_rule(llm: LLM, selector: QuestSelector, rule: str, prompts: list[list[int]], params: list[SamplingParams]):
+    budget = selector.token_budget
+    original = QuestSelector.batch_block_scores
+    if rule == "full":
+        selector.token_budget = 1 << 30
+    elif rule != "engine":
+        QuestSelector.batch_block_scores = rule_scores(rule)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        QuestSelector.batch_block_scores = original
+        selector.token_budget = budget
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--samples-file", required=True)
+    parser.add_argument("--tasks", nargs="+", default=["niah_multivalue"], help="RULER task names, or all")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192])
+    parser.add_argument("--samples", type=int, default=8, help="per task and length")
+    parser.add_argument("--batch", type=int, default=8, help="prompts per generate call (each rule runs a batch)")
+    parser.add_argument("--rules", nargs="+", default=["full", "group max", "oracle"], choices=RULES)
+    parser.add_argument("--budget", type=int, default=2048, help="quest_token_budget")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--output", default=None, help="JSON of every prediction")
+    args = parser.parse_args()
+    tasks = resolve_tasks(args.tasks)
+    chosen = [s for s in load_samples(args.samples_file) if s["task"] in tasks and s["length"] in args.lengths]
+    by_cell = defaultdict(list)
+    for s in chosen:
+        by_cell[(s["task"], s["length"])].append(s)
+    samples = [s for cell in by_cell.values() for s in cell[: args.samples]]
+    options = {k: v for k, v in (("num_gpu_blocks", args.num_gpu_blocks), ("dtype", args.dtype)) if v is not None}
+    llm = LLM(args.model, sparse_policy="quest", sparse_min_context=0, quest_token_budget=args.budget,
+              enforce_eager=True, max_model_len=max(args.lengths), **options)
+    selector = llm.runner.worker.selector
+    prompter = Prompter(llm.tokenizer, "chat")
+    records = []
+    for start in range(0, len(samples), args.batch):
+        batch = samples[start : start + args.batch]
+        prompts = [prompter.encode(s["prompt"]) for s in batch]
+        params = [SamplingParams(temperature=0.0, max_tokens=s["max_new_tokens"]) for s in batch]
+        for rule in args.rules:
+            began = time.perf_counter()
+            outputs = run_rule(llm, selector, rule, prompts, params)
+            for s, out in zip(batch, outputs):
+                score = sample_score(TASKS[s["task"]].metric, out.text, s["references"])
+                records.append({"rule": rule, "task": s["task"], "length": s["length"], "index": s["index"],
+                                "score": score, "prediction": out.text})
+            print(f"samples {start}-{start + len(batch) - 1} {rule}: "
+                  f"{sum(r['score'] for r in records[-len(batch):]) / len(batch):.1f} "
+                  f"({time.perf_counter() - began:.0f} s)", flush=True)
+    print_table(records, args.rules)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+def print_table(records: list[dict], rules: list[str]) -> None:
+    cells = defaultdict(list)
+    for r in records:
+        cells[(r["task"], r["length"], r["rule"])].append(r["score"])
+    rows = sorted({(t, n) for t, n, _ in cells})
+    print("| task | length | samples | " + " | ".join(rules) + " |")
+    print("|---|---|---|" + "---|" * len(rules))
+    for task, length in rows:
+        scores = [cells[(task, length, rule)] for rule in rules]
+        print(f"| {task} | {length} | {len(scores[0])} | " + " | ".join(f"{sum(s) / len(s):.1f}" for s in scores) + " |")
+    means = [sum(sum(cells[(t, n, rule)]) / len(cells[(t, n, rule)]) for t, n in rows) / len(rows) for rule in rules]
+    print("| **average** | | | " + " | ".join(f"**{m:.2f}**" for m in means) + " |")
+
+
+if __name__ == "__main__":
+    main()
