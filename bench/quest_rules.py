@@ -15,7 +15,11 @@ plus the sink and the most recent block as the engine keeps them:
   bound-free rule could choose at this budget (needs the keys: device pool only);
 - oracle max: the true mass, the maximum over the group's query heads;
 - group softmax: each query head's bounds as a softmax over the pages, summed over the group;
-- mean query: the bound of the group's mean query.
+- mean query: the bound of the group's mean query;
+- exact max: the largest true score q . k on the page (what the bound bounds from above), the maximum over the group;
+- refine Nx: the group max's top N x budget pages as candidates, ranked by oracle max computed over the candidates,
+  the sink and the recent block only (the keys such a rule would read);
+- rerank Nx: the engine's own `quest_rerank=N` (the bound's top N x budget pages ranked by their exact largest score).
 
 CPU or GPU (eager steps), page selection only:
 
@@ -40,7 +44,8 @@ from nanovllm.eval.ruler.templates import Prompter
 from nanovllm.layers.block_selector import DecodeLayout
 from nanovllm.layers.sparse_policies import QuestSelector
 
-RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "mean query")
+RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "mean query", "exact max",
+         "refine 2x", "refine 4x", "rerank 2x", "rerank 4x")
 
 
 def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
@@ -51,18 +56,46 @@ def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: De
     return q.clamp(min=0) @ hi + q.clamp(max=0) @ lo
 
 
-def head_mass(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
-    """[B, Hk, group, pages]: each query head's true softmax mass on each page (keys read from the device pool)."""
+def head_logits(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
+    """[B, Hk, group, tokens]: each query head's true scores (keys read from the device pool), -inf past the keys."""
     keys = selector.bounds.keys[layer]  # [blocks, block_size, Hk, D]
     if bool(layout.on_host.any()):
         raise ValueError("the oracle rules read keys from the device pool: run without offload")
-    batch, width = layout.blocks.shape
+    batch = layout.blocks.shape[0]
     k = keys[layout.blocks.clamp(min=0)].flatten(1, 2).float()  # [B, tokens, Hk, D]
     q = q.float().view(batch, k.shape[2], -1, q.shape[-1])  # [B, Hk, group, D]
     logits = torch.einsum("bhgd,bthd->bhgt", q, k) / math.sqrt(q.shape[-1])
     present = torch.arange(k.shape[1], device=q.device)[None, :] < layout.seq_lens[:, None]
-    p = torch.softmax(logits.masked_fill(~present[:, None, None, :], float("-inf")), -1)
+    return logits.masked_fill(~present[:, None, None, :], float("-inf"))
+
+
+def head_mass(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout,
+              visible: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Hk, group, pages]: each query head's true softmax mass on each page; visible [B, Hk, pages]: the
+    softmax over these pages' keys only."""
+    logits = head_logits(selector, layer, q, layout)
+    if visible is not None:
+        tokens = visible.repeat_interleave(selector.bounds.page_size, -1)[:, :, None, : logits.shape[-1]]
+        logits = logits.masked_fill(~tokens, float("-inf"))
+    p = torch.softmax(logits, -1)
     return p.view(*p.shape[:-1], -1, selector.bounds.page_size).sum(-1)
+
+
+def refined(self: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout, factor: int) -> torch.Tensor:
+    """[B, Hk, pages]: the group max's top factor x budget pages of the middle, ranked by the oracle max over
+    them with the sink and the recent block (other pages -inf)."""
+    bound = head_bounds(self, layer, q, layout).amax(2).masked_fill(~_holding(self, layout)[:, None], float("-inf"))
+    per_block = self.bounds.pages_per_block
+    sink, recent = self.sink_blocks * per_block, self.recent_blocks * per_block
+    ends = layout.valid.sum(1) * per_block  # [B] page columns
+    column = torch.arange(bound.shape[-1], device=bound.device)[None, :]
+    middle = (column >= sink) & (column < (ends - recent)[:, None])  # [B, pages]
+    fixed = ((column < sink) | (column >= (ends - recent)[:, None])) & (column < ends[:, None])
+    count = min(factor * self._budget(layout.block_size), bound.shape[-1])
+    top = bound.masked_fill(~middle[:, None], float("-inf")).topk(count, -1)
+    candidates = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    mass = head_mass(self, layer, q, layout, candidates | fixed[:, None]).amax(2)
+    return mass.masked_fill(~candidates, float("-inf"))
 
 
 def rule_scores(rule: str):
@@ -80,6 +113,11 @@ def rule_scores(rule: str):
         elif rule == "group softmax":
             b = head_bounds(self, layer, q, layout)
             s = torch.softmax(b.masked_fill(~_holding(self, layout)[:, None, None], float("-inf")) * scale, -1).sum(2)
+        elif rule == "exact max":
+            logits = head_logits(self, layer, q, layout)
+            s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
+        elif rule.startswith("refine"):
+            s = refined(self, layer, q, layout, int(rule.split()[1].rstrip("x")))
         elif rule == "mean query":
             mean = q.view(q.shape[0], num_kv_heads, -1, q.shape[-1]).mean(2, keepdim=True)
             s = head_bounds(self, layer, mean.expand(-1, -1, 1, -1).flatten(1, 2), layout).amax(2)
@@ -97,17 +135,19 @@ def _holding(selector: QuestSelector, layout: DecodeLayout) -> torch.Tensor:
 
 
 def run_rule(llm: LLM, selector: QuestSelector, rule: str, prompts: list[list[int]], params: list[SamplingParams]):
-    budget = selector.token_budget
+    budget, rerank = selector.token_budget, selector.rerank
     original = QuestSelector.batch_block_scores
     if rule == "full":
         selector.token_budget = 1 << 30
+    elif rule.startswith("rerank"):
+        selector.rerank = int(rule.split()[1].rstrip("x"))
     elif rule != "engine":
         QuestSelector.batch_block_scores = rule_scores(rule)
     try:
         return llm.generate(prompts, params, use_tqdm=False)
     finally:
         QuestSelector.batch_block_scores = original
-        selector.token_budget = budget
+        selector.token_budget, selector.rerank = budget, rerank
 
 
 def main() -> None:

@@ -50,6 +50,9 @@ class EngineConfig:
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
     quest_page_select: bool = True  # Quest: decode steps keep each KV head's top 16-token pages, not blocks
+    # Quest: the bound's top quest_rerank x budget pages (blocks) are ranked again by their keys' exact largest score
+    # (1: the bound alone, as the paper)
+    quest_rerank: int = 1
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)
@@ -144,6 +147,7 @@ class EngineConfig:
             raise ValueError(f"xattn_block_size={self.xattn_block_size} and kvcache_block_size="
                              f"{self.kvcache_block_size} must divide one another")
         _positive_int("quest_token_budget", self.quest_token_budget)
+        _positive_int("quest_rerank", self.quest_rerank)
         if not isinstance(self.quest_page_select, bool):
             raise ValueError(f"quest_page_select must be a bool, got {self.quest_page_select!r}")
         for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):

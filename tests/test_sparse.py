@@ -32,6 +32,7 @@ BS = 16
     ("quest_token_budget", 0, "quest_token_budget must be a positive integer"),
     ("quest_dense_layers", -1, "quest_dense_layers must be an integer >= 0"),
     ("quest_page_select", 1, "quest_page_select must be a bool"),
+    ("quest_rerank", 0, "quest_rerank must be a positive integer"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
 ])
 def test_bad_sparse_options_name_the_limit(tiny_llama, option, value, message):
@@ -919,3 +920,72 @@ def test_fewest_covering_keeps_the_top_blocks_up_to_the_threshold_and_none_witho
                         break
                     want[c], covered = True, covered + float(row[c])
                 assert torch.equal(got[h, r], want), (threshold, h, r)
+
+
+def brute_force_quest_rerank(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_pages: int, bs: int,
+                             rerank: int) -> torch.Tensor:
+    """brute_force_quest_pages with quest_rerank: the bound's best rerank x budget middle pages are candidates,
+    of which the budget's best by their exact largest score (the max over the page's keys and the KV head's
+    query heads of q . k) are kept."""
+    num_kv_heads, group, per_block = keys.shape[1], q.shape[0] // keys.shape[1], bs // 16
+    n = -(-seq_len // bs)
+    candidates = brute_force_quest_pages(keys, q, seq_len, rerank * budget_pages, bs)
+    keep = candidates.clone()
+    for h in range(num_kv_heads):
+        middle = [p for p in range(per_block, (n - 1) * per_block) if candidates[h, p]]
+        if len(middle) <= budget_pages:
+            continue
+        exact = torch.tensor([max(float(q[g].float() @ keys[t, h].float()) for g in range(h * group, (h + 1) * group)
+                                  for t in range(p * 16, min(p * 16 + 16, seq_len))) for p in middle])
+        best = {middle[i] for i in exact.topk(budget_pages).indices.tolist()}
+        for p in middle:
+            keep[h, p] = p in best
+    return keep
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "host-blocks"])
+def test_quest_rerank_selection_equals_brute_force(seed, offload):
+    """quest_rerank: decode_keep (the step's layout) and narrow (a graph's padded tables) keep the definition's
+    pages, the candidates' keys read from the device pool or the host pool as each block lives; the choice
+    differs from the bound's alone (the test can tell them apart)."""
+    from nanovllm.layers.block_selector import DecodeLayout
+
+    step, budget, base, rerank = PageStep(seed, offload), 5, 1000, 2
+    step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))
+    step.bounds.keys = step.cache.data[0]  # the keys the candidates are ranked by (the engine's lazily filled bounds')
+    selector = QuestSelector(step.bounds, token_budget=16 * budget, dense_layers=0, min_context=0, page_select=True,
+                             rerank=rerank, host_keys=step.pool.host[0] if offload else None)
+    batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
+    layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=base)
+    keep, _ = selector.decode_keep(0, step.q, PAGE_HK, layout)
+    want = [brute_force_quest_rerank(k, q, n, budget, PAGE_BS, rerank) for k, q, n in zip(step.k, step.q, step.SEQ_LENS)]
+    for i, mask in enumerate(want):
+        assert torch.equal(keep[i, :, : mask.shape[1]], mask) and not keep[i, :, mask.shape[1]:].any()
+    assert any(not torch.equal(a, b) for a, b in zip(want, step.want_keep(budget)))
+    padded = torch.full((4, 16), 39, dtype=torch.int64)
+    for i, (t, f) in enumerate(zip(step.located, step.on_host)):
+        padded[i, : len(t)] = torch.tensor([base + b if h else b for b, h in zip(t, f)])
+    graph = DecodeLayout.from_tensors(padded, torch.tensor(step.SEQ_LENS, dtype=torch.int32), PAGE_BS, base)
+    got = positions_mask(selector.narrow(0, step.q, PAGE_HK, graph), graph.at(16).ids.shape[1])
+    assert torch.equal(got[:, :, : keep.shape[-1]], keep) and not got[:, :, keep.shape[-1]:].any()
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_quest_rerank_in_the_engine_keeps_the_budget(tiny_llama, offload):
+    """quest_rerank=2 end to end: the same decode density as the bound alone (each KV head still reads the budget's
+    pages), a different choice of them on some step, and every request completes."""
+    memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else dict(num_gpu_blocks=64)
+    runs = {}
+    for rerank in (1, 2):
+        llm = quest_llm(tiny_llama, quest_token_budget=32, quest_page_select=True, kvcache_block_size=4 * BS,
+                        quest_rerank=rerank, dtype="float32", **memory)
+        selector, chosen = llm.runner.worker.selector, []
+        narrow = selector.narrow
+        selector.narrow = lambda *a: chosen.append(narrow(*a)) or chosen[-1]
+        runs[rerank] = (llm.generate(PROMPTS, GREEDY, use_tqdm=False), [c for c in chosen if c is not None])
+    (plain, plain_chosen), (reranked, reranked_chosen) = runs[1], runs[2]
+    assert [o.metrics.decode_density for o in reranked] == [o.metrics.decode_density for o in plain]
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in reranked)
+    assert plain_chosen and len(plain_chosen) == len(reranked_chosen)
+    assert any(not torch.equal(a, b) for a, b in zip(plain_chosen, reranked_chosen))

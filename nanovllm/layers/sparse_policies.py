@@ -5,8 +5,10 @@
   sum_d max(q_d * max_d, q_d * min_d). A block's bound is its pages' maximum, a KV head's the maximum
   over its query heads; each KV head reads its top blocks within `token_budget` tokens plus the sink
   block and the most recent block, or with `page_select` (the engine's default, `quest_page_select`) its
-  top pages. The first `dense_layers` layers, prefill rows and sequences shorter than `min_context` stay
-  dense.
+  top pages. With `rerank` > 1 the bound's top rerank x budget columns are candidates, ranked again by
+  their keys' exact largest score (the maximum over the group's query heads and the column's keys, which the
+  bound bounds from above), and the budget's best of them kept. The first `dense_layers` layers, prefill rows
+  and sequences shorter than `min_context` stay dense.
 - `XAttentionSelector` (prefill): antidiagonal scoring. Queries and keys are cut into tiles of
   `stride` positions; a (query tile, key tile) pair scores the sum of q.k over the tile's antidiagonal
   (one stride-th of the full Q.K^T work), softmax per query head over the visible key tiles, the
@@ -47,16 +49,18 @@ class QuestSelector(BlockSelector):
 
     def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
                  sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, rerank: int = 1, host_keys: torch.Tensor | None = None):
         """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
         (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
         pages; select() keeps selecting blocks (the strategies send a mixed step's decode rows to
         decode_keep too, `MixedRows`). max_model_len: the longest sequence; with it every narrow() on CUDA
-        runs one compiled variant of the top kernel, which warm_up() compiles."""
+        runs one compiled variant of the top kernel, which warm_up() compiles. rerank: candidates per kept
+        column, ranked by their keys (bounds.keys, and host_keys [layers, host blocks, block_size, Hk, D] for
+        host blocks)."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
-        self.max_model_len = max_model_len
+        self.max_model_len, self.rerank, self.host_keys = max_model_len, rerank, host_keys
         # narrow() on CUDA through one Triton kernel (kernels/triton_quest.ordered_top_columns) instead of
         # top-k + sort (1.13x the narrowed 128K offload step at budget 2048, docs/BENCHMARKS.md)
         self.ordered_top = True
@@ -149,10 +153,13 @@ class QuestSelector(BlockSelector):
 
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         _, _, num_kv_heads, head_dim = self.bounds.min.shape
+        block_size = self.bounds.block_size
+        # rerank: the candidates' keys gathered (twice with host blocks) and in float32, their scores
+        reranked = 0 if self.rerank == 1 else \
+            self.rerank * self._budget(block_size) * self.decode_page_size(block_size) * num_kv_heads * head_dim * 12
         if self.bounds.min.is_cuda:  # the kernel reads the bounds in place: scores, masks and tables per column
-            block_size = self.bounds.block_size
-            return max_blocks * block_size // self.decode_page_size(block_size) * num_kv_heads * 64
-        return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16  # min, max: gathered + float32
+            return max_blocks * block_size // self.decode_page_size(block_size) * num_kv_heads * 64 + reranked
+        return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16 + reranked  # min, max, float32
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
         """The kept columns as positions [B, Hk, sink + budget + recent]: the sink block's, the top-k of the
@@ -168,11 +175,48 @@ class QuestSelector(BlockSelector):
         sink, recent = self.sink_blocks * per_block, self.recent_blocks * per_block
         ends = layout.at(page_size).num_blocks  # [B] each row's columns (counted once per step, not per layer)
         budget = min(self._budget(layout.block_size), max(0, scores.shape[-1] - sink - recent))
+        wide = min(self.rerank * budget, max(0, scores.shape[-1] - sink - recent))
+        kept = self._top(scores, ends, sink, wide, recent, self._top_chunk(layout.block_size))
+        if wide == budget:
+            return kept
+        candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
+        exact = self.candidate_scores(layer, q, layout, candidates, page_size)
+        chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, None)  # ascending indices
+        best = candidates.gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, -1)
+        return torch.cat([kept[..., :sink], best, kept[..., sink + wide :]], -1)
+
+    def _top(self, scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int,
+             chunk: int | None) -> torch.Tensor:
         if self.ordered_top and scores.is_cuda:
             from nanovllm.kernels.triton_quest import ordered_top_columns
 
-            return ordered_top_columns(scores, ends, sink, budget, recent, self._top_chunk(layout.block_size))
+            return ordered_top_columns(scores, ends, sink, budget, recent, chunk)
         return quest_top_reference(scores, ends, sink, budget, recent)
+
+    def candidate_scores(self, layer: int, q: torch.Tensor, layout: DecodeLayout, columns: torch.Tensor,
+                         column_size: int) -> torch.Tensor:
+        """[B, Hk, N] float32: for each column position of columns [B, Hk, N] (-1: none, -inf out) in units
+        of column_size tokens, the largest q . k over its keys (those before the sequence's end) and the KV
+        head's query heads q [B, Hq, D]: the exact score the Quest bound bounds from above. Keys come from
+        the device pool or, for host blocks, host_keys."""
+        batch, num_kv_heads, _ = columns.shape
+        per_block, block_size = layout.block_size // column_size, layout.block_size
+        col = columns.clamp(min=0)
+        block_col = col // per_block
+        flat = block_col.flatten(1)
+        blocks, on_host = layout.blocks.gather(1, flat).view_as(col), layout.on_host.gather(1, flat).view_as(col)
+        token = ((col % per_block) * column_size)[..., None] + torch.arange(column_size, device=col.device)
+        head = torch.arange(num_kv_heads, device=col.device)[None, :, None, None]
+        device_ids = torch.where(on_host | (blocks < 0), 0, blocks)  # ids within each pool
+        keys = self.bounds.keys[layer][device_ids[..., None], token, head]  # [B, Hk, N, P, D]
+        if self.host_keys is not None:  # on the device's own memory (build_sparse_policy): no host sync here
+            host = self.host_keys[layer][torch.where(on_host, blocks, 0)[..., None], token, head]
+            keys = torch.where(on_host[..., None, None], host, keys)
+        group = q.view(batch, num_kv_heads, -1, q.shape[-1]).float()
+        scores = torch.einsum("bhgd,bhnpd->bhnpg", group, keys.float()).amax(-1)  # [B, Hk, N, P]
+        position = (block_col * block_size)[..., None] + token
+        present = (columns >= 0)[..., None] & (position < layout.seq_lens[:, None, None, None])
+        return scores.masked_fill(~present, float("-inf")).amax(-1)
 
     def _max_columns(self, block_size: int) -> int | None:
         """Columns of decode_page_size tokens in the longest sequence's blocks (None: no longest known)."""
@@ -200,8 +244,11 @@ class QuestSelector(BlockSelector):
         for width in sorted({min(columns, MAX_ROW_IN_REGISTERS), columns}):
             scores = torch.zeros(1, num_kv_heads, width, dtype=torch.float32, device=device)
             ends = torch.full((1,), width, dtype=torch.int64, device=device)
-            ordered_top_columns(scores, ends, sink, max(0, min(self._budget(block_size), width - sink - recent)),
-                                recent, chunk)
+            budget = max(0, min(self._budget(block_size), width - sink - recent))
+            wide = min(self.rerank * budget, width - sink - recent)
+            ordered_top_columns(scores, ends, sink, wide, recent, chunk)
+            if wide > budget:  # the candidates' second ranking: no sink, no recent columns
+                ordered_top_columns(scores[..., :wide].contiguous(), torch.full_like(ends, wide), 0, budget, 0)
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
@@ -591,9 +638,14 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                 num_kv_heads, head_dim, cache.data.device, page_size=min(QUEST_PAGE_SIZE, block_size),
                                 dtype=cache.data.dtype, keys=cache.data[0])
         cache.hooks.append(bounds)
+        host_keys = host_pool.host[0] if host_pool is not None else None
+        if config.quest_rerank > 1 and host_keys is not None and host_keys.device != cache.data.device:
+            raise ValueError(f"quest_rerank={config.quest_rerank} reads candidates' keys, which offload keeps in host "
+                             "memory the device cannot index yet: use quest_rerank=1 with enable_cpu_offload on a GPU")
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
                                            config.sparse_min_context, page_select=config.quest_page_select,
-                                           max_model_len=config.max_model_len)
+                                           max_model_len=config.max_model_len, rerank=config.quest_rerank,
+                                           host_keys=host_keys)
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,
