@@ -82,6 +82,7 @@ from nanovllm.kernels import triton_paged_attention as t, triton_quest as q, tri
 wanted = {t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
           t._prefill_kernel: {"stride_bt", "stride_bh"},
           q._quest_scores_kernel: {"num_columns", "stride_tb"},
+          q._candidate_max_kernel: {"num_candidates", "stride_tb"},
           x._estimate_kernel: {"seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "stride_qt"}}
 for kernel, names in wanted.items():
     loose = {p.name for p in kernel.params if p.do_not_specialize}
@@ -111,6 +112,32 @@ for chunk, in_registers in [(8192, True), (512, True), (16384, False)]:
     consts = dict(SINK=16, RECENT=16, FIXED_PAD=16, CHUNK=chunk, IN_REGISTERS=in_registers)
     compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 16})
+    assert compiled.asm["cubin"]
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_candidate_max_kernel_compiles_for_sm90_without_a_gpu():
+    """quest_rerank's kernel (not yet run on a GPU) compiled for sm_90 through Triton's ptxas: Llama-3.1-8B's
+    shape with pages and with whole blocks as columns, SmolLM2's (3 query heads per KV head, head_dim 64)."""
+    pytest.importorskip("triton")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.triton_quest import _candidate_max_kernel as kernel
+names = kernel.arg_names
+sig = {name: "i32" for name in names[6:20]}
+sig.update(q_ptr="*bf16", k_ptr="*bf16", tables_ptr="*i64", seq_lens_ptr="*i64", cand_ptr="*i64", out_ptr="*fp32",
+           host_delta="i64", base="i64")
+sig.update({name: "constexpr" for name in names[20:]})
+for group, dim, column in [(4, 128, 16), (4, 128, 256), (3, 64, 16)]:
+    consts = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=dim, COLUMN=column,
+                  PER_BLOCK=256 // column, BLOCK_SIZE=256, CANDIDATES=8, TOKENS=16)
+    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert compiled.asm["cubin"]
 print("ok")
 """
@@ -251,3 +278,37 @@ def test_narrowed_tables_kernel_equals_the_reference(batch, heads, width, pages,
                           layout.block_size, got_counts, BASE if host else None)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]) and got[1].dtype == torch.int32
     assert torch.equal(got_counts.cpu(), want_counts) and (not host or bool((want_counts[:, 1] > start[:, 1]).any()))
+
+
+@pytest.mark.parametrize("block_size, column_size, num_kv_heads, group, host", [
+    (64, 16, 2, 3, True), (32, 16, 1, 4, False), (32, 32, 2, 2, True), (64, 64, 4, 1, True)])
+@pytest.mark.parametrize("per_program", [8, 3])
+def test_candidate_max_scores_equal_the_reference(block_size, column_size, num_kv_heads, group, host, per_program):
+    """quest_rerank's exact candidate scores from one kernel (host blocks' keys read host_delta away) against
+    QuestSelector.candidate_scores' PyTorch path: -1 candidates, columns past a sequence's end, partial pages."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import candidate_max_scores
+
+    g = torch.Generator().manual_seed(block_size + column_size + group)
+    dim, num_blocks, num_host, base = 16, 20, 10, 1000
+    keys = torch.randn(num_blocks, block_size, num_kv_heads, dim, generator=g)
+    host_keys = torch.randn(num_host, block_size, num_kv_heads, dim, generator=g) if host else None
+    seq_lens = [5 * block_size + 7, 3 * block_size, 2 * block_size + 1]
+    blocks = [torch.randperm(num_blocks, generator=g)[: -(-n // block_size)].tolist() for n in seq_lens]
+    on_host = [[host and c % 2 == 1 for c in range(len(t))] for t in blocks]
+    blocks = [[c if h else b for c, (b, h) in enumerate(zip(t, f))] for t, f in zip(blocks, on_host)]
+    batch = SelectionInput([1] * 3, seq_lens, block_size, blocks, on_host if host else None)
+    layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=base if host else None)
+    columns = layout.ids.shape[1] * block_size // column_size
+    candidates = torch.randint(-1, columns, (3, num_kv_heads, 13), generator=g)
+    q = torch.randn(3, num_kv_heads * group, dim, generator=g)
+    bounds = BlockKeyBounds(1, num_blocks, num_host, block_size, num_kv_heads, dim, torch.device("cpu"), page_size=16,
+                            keys=keys[None])
+    selector = QuestSelector(bounds, token_budget=64, dense_layers=0, min_context=0, page_select=True, rerank=2,
+                             host_keys=host_keys[None] if host else None)
+    want = selector.candidate_scores(0, q, layout, candidates, column_size)
+    got = candidate_max_scores(q.to(DEVICE), keys.to(DEVICE), host_keys.to(DEVICE) if host else None,
+                               layout.ids.to(DEVICE), layout.seq_lens.to(DEVICE), candidates.to(DEVICE), block_size,
+                               column_size, layout.base, per_program)
+    assert torch.isinf(want).any() and torch.isfinite(want).any()
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)

@@ -198,7 +198,14 @@ class QuestSelector(BlockSelector):
         """[B, Hk, N] float32: for each column position of columns [B, Hk, N] (-1: none, -inf out) in units
         of column_size tokens, the largest q . k over its keys (those before the sequence's end) and the KV
         head's query heads q [B, Hq, D]: the exact score the Quest bound bounds from above. Keys come from
-        the device pool or, for host blocks, host_keys."""
+        the device pool or, for host blocks, host_keys. On CUDA one Triton kernel (host keys read in place,
+        kernels/triton_quest.candidate_max_scores); this is its reference."""
+        if q.is_cuda:
+            from nanovllm.kernels.triton_quest import candidate_max_scores
+
+            host = self.host_keys[layer] if self.host_keys is not None else None
+            return candidate_max_scores(q, self.bounds.keys[layer], host, layout.ids, layout.seq_lens,
+                                        columns.contiguous(), layout.block_size, column_size, layout.base)
         batch, num_kv_heads, _ = columns.shape
         per_block, block_size = layout.block_size // column_size, layout.block_size
         col = columns.clamp(min=0)
@@ -209,7 +216,7 @@ class QuestSelector(BlockSelector):
         head = torch.arange(num_kv_heads, device=col.device)[None, :, None, None]
         device_ids = torch.where(on_host | (blocks < 0), 0, blocks)  # ids within each pool
         keys = self.bounds.keys[layer][device_ids[..., None], token, head]  # [B, Hk, N, P, D]
-        if self.host_keys is not None:  # on the device's own memory (build_sparse_policy): no host sync here
+        if self.host_keys is not None:  # no host sync: every row gathers from both pools
             host = self.host_keys[layer][torch.where(on_host, blocks, 0)[..., None], token, head]
             keys = torch.where(on_host[..., None, None], host, keys)
         group = q.view(batch, num_kv_heads, -1, q.shape[-1]).float()
@@ -639,9 +646,6 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                 dtype=cache.data.dtype, keys=cache.data[0])
         cache.hooks.append(bounds)
         host_keys = host_pool.host[0] if host_pool is not None else None
-        if config.quest_rerank > 1 and host_keys is not None and host_keys.device != cache.data.device:
-            raise ValueError(f"quest_rerank={config.quest_rerank} reads candidates' keys, which offload keeps in host "
-                             "memory the device cannot index yet: use quest_rerank=1 with enable_cpu_offload on a GPU")
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
                                            config.sparse_min_context, page_select=config.quest_page_select,
                                            max_model_len=config.max_model_len, rerank=config.quest_rerank,
