@@ -181,7 +181,7 @@ class QuestSelector(BlockSelector):
             return kept
         candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
         exact = self.candidate_scores(layer, q, layout, candidates, page_size)
-        chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, None)  # ascending indices
+        chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, self._rerank_chunk(layout.block_size))
         best = candidates.gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, -1)
         return torch.cat([kept[..., :sink], best, kept[..., sink + wide :]], -1)
 
@@ -225,6 +225,12 @@ class QuestSelector(BlockSelector):
         present = (columns >= 0)[..., None] & (position < layout.seq_lens[:, None, None, None])
         return scores.masked_fill(~present, float("-inf")).amax(-1)
 
+    def _rerank_chunk(self, block_size: int) -> int:
+        """The top kernel's columns per pass over candidates: one variant for every row (warm_up compiles it)."""
+        from nanovllm.kernels.triton_quest import ordered_top_chunk
+
+        return ordered_top_chunk(self.rerank * self._budget(block_size))
+
     def _max_columns(self, block_size: int) -> int | None:
         """Columns of decode_page_size tokens in the longest sequence's blocks (None: no longest known)."""
         if self.max_model_len is None:
@@ -255,7 +261,8 @@ class QuestSelector(BlockSelector):
             wide = min(self.rerank * budget, width - sink - recent)
             ordered_top_columns(scores, ends, sink, wide, recent, chunk)
             if wide > budget:  # the candidates' second ranking: no sink, no recent columns
-                ordered_top_columns(scores[..., :wide].contiguous(), torch.full_like(ends, wide), 0, budget, 0)
+                ordered_top_columns(scores[..., :wide].contiguous(), torch.full_like(ends, wide), 0, budget, 0,
+                                    self._rerank_chunk(block_size))
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
