@@ -170,13 +170,15 @@ def test_launched_narrowed_steps_count_the_same_work_without_waiting(tiny_llama)
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("rerank", [1, 2], ids=["bound", "rerank-2"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload-mirrored-layer"])
-def test_narrowed_page_steps_equal_the_eager_page_selection(tiny_llama, offload):
+def test_narrowed_page_steps_equal_the_eager_page_selection(tiny_llama, offload, rerank):
     """quest_page_select with 32-token blocks (2 pages each) and a 3-page budget: the narrowed steps (page
     tables over the pools viewed in pages, host pages read in place) give the eager page selection's
-    tokens, logprobs, decode densities (3.5 blocks per sparse head, not a block selection's 3) and host bytes."""
+    tokens, logprobs, decode densities (3.5 blocks per sparse head, not a block selection's 3) and host bytes;
+    with quest_rerank the same (the candidates' keys read from both pools)."""
     options = dict(quest_token_budget=3 * 16, quest_dense_layers=1, quest_page_select=True, kvcache_block_size=2 * BS,
-                   **memory_options(offload))
+                   quest_rerank=rerank, **memory_options(offload))
     want = quest_engine(tiny_llama, False, **options).generate(PROMPTS, PARAMS, use_tqdm=False)
     llm = quest_engine(tiny_llama, True, **options)
     seen = count_narrowed_steps(llm)
@@ -205,6 +207,9 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
     assert not narrowed.captured(selector, 1, Graphs)
     assert not narrowed.captured(QuestSelector(selector.bounds, 2 * BS, 0, 0), 1, Graphs)
     selector.token_budget = 2 * BS
+    selector.rerank = 2
+    assert not narrowed.captured(selector, 1, Graphs)
+    selector.rerank = 1
     selector.page_select = True  # 16-token blocks: its pages are the blocks, the same narrowing
     assert narrowed.captured(selector, 1, Graphs)
 
@@ -213,8 +218,10 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 @pytest.mark.parametrize("pages", [dict(kvcache_block_size=BS, quest_token_budget=2 * BS),
-                                   dict(kvcache_block_size=2 * BS, quest_token_budget=3 * 16, quest_page_select=True)],
-                         ids=["blocks", "pages"])
+                                   dict(kvcache_block_size=2 * BS, quest_token_budget=3 * 16, quest_page_select=True),
+                                   dict(kvcache_block_size=2 * BS, quest_token_budget=3 * 16, quest_page_select=True,
+                                        quest_rerank=2)],
+                         ids=["blocks", "pages", "pages-rerank"])
 def test_narrowed_decode_graphs_equal_eager_quest_on_cuda(tiny_llama, offload, pages):
     """The narrowed steps replayed from CUDA graphs (fp32) equal an eager engine's per-layer selection."""
     memory = memory_options(offload)

@@ -36,7 +36,7 @@ class NarrowedDecode:
         self.block_size = block_size
         self.counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=cache.data.device)
         self.captured_with: BlockSelector | None = None  # the selector the narrowed graphs were captured with
-        self.captured_shape = (0, 0)  # and the columns per head it kept then, and their tokens
+        self.captured_shape = ()  # and what the graphs baked in of it (BlockSelector.narrowing)
 
     @property
     def enabled(self) -> bool:
@@ -44,16 +44,13 @@ class NarrowedDecode:
 
     def captured(self, selector: BlockSelector, bucket: int, graphs) -> bool:
         """Whether a narrowed graph of this bucket runs `selector`'s narrowing (a selector swapped in later,
-        or one whose budget changed since the capture, runs eagerly)."""
+        or one whose budget or rerank changed since the capture, runs eagerly)."""
         return selector is self.captured_with and bucket in graphs.narrowed_graphs and \
-            self.captured_shape == self._shape(selector)
+            self.captured_shape == selector.narrowing(self.block_size)
 
     def capturing(self) -> None:
         """The narrowed graphs are being captured with the current selector."""
-        self.captured_with, self.captured_shape = self.selector, self._shape(self.selector)
-
-    def _shape(self, selector: BlockSelector) -> tuple[int, int]:
-        return selector.narrowed_blocks(self.block_size), selector.decode_page_size(self.block_size)
+        self.captured_with, self.captured_shape = self.selector, self.selector.narrowing(self.block_size)
 
     @property
     def columns_per_block(self) -> int:

@@ -218,6 +218,10 @@ class BlockSelector(ABC):
         """The blocks (columns of decode_page_size tokens) each KV head keeps in a narrowed decode step."""
         raise NotImplementedError
 
+    def narrowing(self, block_size: int) -> tuple:
+        """What a captured narrowed graph bakes in of this selector's state: a change replays none of them."""
+        return self.narrowed_blocks(block_size), self.decode_page_size(block_size)
+
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         """Device bytes `narrow` takes per row of max_blocks blocks (what a graph's memory pool keeps)."""
         raise NotImplementedError

@@ -151,6 +151,9 @@ class QuestSelector(BlockSelector):
         per_block = block_size // self.decode_page_size(block_size)
         return self._budget(block_size) + (self.sink_blocks + self.recent_blocks) * per_block
 
+    def narrowing(self, block_size: int) -> tuple:
+        return super().narrowing(block_size) + (self.rerank,)
+
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         _, _, num_kv_heads, head_dim = self.bounds.min.shape
         block_size = self.bounds.block_size
@@ -619,6 +622,9 @@ class PrefillDecodeSelector(BlockSelector):
 
     def decode_page_size(self, block_size) -> int:
         return self.decode.decode_page_size(block_size)
+
+    def narrowing(self, block_size) -> tuple:
+        return self.decode.narrowing(block_size)
 
     def narrow_scratch_bytes(self, max_blocks) -> int:
         return self.decode.narrow_scratch_bytes(max_blocks)
