@@ -16,7 +16,7 @@
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
         [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--async-peer]
-        [--profile-kernels]
+        [--profile-kernels] [--rerank-peer N]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
 """
@@ -51,17 +51,20 @@ class DecodePeers:
     topk_peer: bool = False  # page selection through top-k + sort instead of the ordered top kernel
     async_peer: bool = False  # the block selection with async scheduling (the next step launched first)
     profile_kernels: bool = False  # each peer's kernels logged
+    rerank: int = 1  # > 1: page selection with quest_rerank at this factor too
 
 
 class Peer(NamedTuple):
     """One decode peer: Quest at `budget` (None: dense) selecting pages or blocks, through the ordered top
-    kernel or top-k + sort, with synchronous or launched (async) steps."""
+    kernel or top-k + sort, with synchronous or launched (async) steps, its candidates re-ranked by their keys
+    (quest_rerank) or not."""
 
     name: str
     budget: int | None
     pages: bool = False
     ordered: bool = True
     launched: bool = False
+    rerank: int = 1
 
 
 HOT_SHARE = 0.08  # share of key blocks per KV head that carry its query direction
@@ -174,12 +177,15 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
     peers += [Peer(f"quest_{b}_async", b, launched=True) for b in budgets] if which.async_peer else []
     peers += [Peer(f"quest_pages_{b}", b, pages=True) for b in budgets] if which.pages else []
     peers += [Peer(f"quest_pages_{b}_topk", b, pages=True, ordered=False) for b in budgets] if which.topk_peer else []
-    for name, budget, page_select, ordered, launched in peers:
+    peers += [Peer(f"quest_pages_{b}_rerank{which.rerank}", b, pages=True, rerank=which.rerank)
+              for b in budgets] if which.rerank > 1 else []
+    for name, budget, page_select, ordered, launched, rerank in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
             llm.runner.staged_decode = False  # offload: the eager split path, at the PCIe floor
         else:
             selector.token_budget, selector.page_select, selector.ordered_top = budget, page_select, ordered
+            selector.rerank = rerank
             llm.runner.set_block_selector(selector)
             llm.runner.recapture_decode_graphs()  # the narrowed decode graphs of this budget
         llm.config = replace(llm.config, async_scheduling=launched)  # the engine reads it each step
@@ -286,6 +292,8 @@ def main() -> None:
                     help="page peers also through top-k + sort instead of the ordered top kernel (kernels/triton_quest.py)")
     ap.add_argument("--async-peer", action="store_true", help="decode peers with async scheduling too")
     ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
+    ap.add_argument("--rerank-peer", type=int, default=1,
+                    help="N > 1: page peers with quest_rerank=N too (candidates ranked by their keys)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-gpu-only", action="store_true")
@@ -294,7 +302,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="the longest N prompts of --samples-file")
     args = ap.parse_args()
     require_cuda()
-    which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels)
+    which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer)
     results: dict = {}
     if not args.skip_prefill:
         results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride, args.cover) for c in args.contexts]
