@@ -208,7 +208,7 @@ class QuestSelector(BlockSelector):
 
             host = self.host_keys[layer] if self.host_keys is not None else None
             return candidate_max_scores(q, self.bounds.keys[layer], host, layout.ids, layout.seq_lens,
-                                        columns.contiguous(), layout.block_size, column_size, layout.base)
+                                        columns, layout.block_size, column_size, layout.base)
         batch, num_kv_heads, _ = columns.shape
         per_block, block_size = layout.block_size // column_size, layout.block_size
         col = columns.clamp(min=0)
