@@ -958,17 +958,34 @@ def test_quest_rerank_selection_equals_brute_force(seed, offload):
                              rerank=rerank, host_keys=step.pool.host[0] if offload else None)
     batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
     layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=base)
-    keep, _ = selector.decode_keep(0, step.q, PAGE_HK, layout)
+    key_reads = torch.zeros(4, dtype=torch.int64)
+    keep, _ = selector.decode_keep(0, step.q, PAGE_HK, layout, key_reads)
     want = [brute_force_quest_rerank(k, q, n, budget, PAGE_BS, rerank) for k, q, n in zip(step.k, step.q, step.SEQ_LENS)]
     for i, mask in enumerate(want):
         assert torch.equal(keep[i, :, : mask.shape[1]], mask) and not keep[i, :, mask.shape[1]:].any()
     assert any(not torch.equal(a, b) for a, b in zip(want, step.want_keep(budget)))
+    host_candidates = [candidate_pages_on_host(k, q, n, budget, rerank, flags)
+                       for k, q, n, flags in zip(step.k, step.q, step.SEQ_LENS, step.on_host)]
+    assert key_reads.tolist() == host_candidates and (sum(host_candidates) > 0) == offload
     padded = torch.full((4, 16), 39, dtype=torch.int64)
     for i, (t, f) in enumerate(zip(step.located, step.on_host)):
         padded[i, : len(t)] = torch.tensor([base + b if h else b for b, h in zip(t, f)])
     graph = DecodeLayout.from_tensors(padded, torch.tensor(step.SEQ_LENS, dtype=torch.int32), PAGE_BS, base)
-    got = positions_mask(selector.narrow(0, step.q, PAGE_HK, graph), graph.at(16).ids.shape[1])
+    graph_reads = torch.zeros(4, dtype=torch.int64)
+    got = positions_mask(selector.narrow(0, step.q, PAGE_HK, graph, graph_reads), graph.at(16).ids.shape[1])
     assert torch.equal(got[:, :, : keep.shape[-1]], keep) and not got[:, :, keep.shape[-1]:].any()
+    assert graph_reads.tolist() == host_candidates
+
+
+def candidate_pages_on_host(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_pages: int, rerank: int,
+                            on_host: list[bool]) -> int:
+    """The (KV head, page) pairs of a sequence whose keys quest_rerank reads from the host pool in a step that
+    reranks (its longest row holds more pages than the budget between the sink and the last block): the bound's
+    rerank x budget candidates there, every page of them in a shorter row."""
+    per_block, n = PAGE_BS // 16, -(-seq_len // PAGE_BS)
+    candidates = brute_force_quest_pages(keys, q, seq_len, rerank * budget_pages, PAGE_BS)
+    middle = range(per_block, (n - 1) * per_block)
+    return sum(bool(candidates[h, p]) and on_host[p // per_block] for h in range(keys.shape[1]) for p in middle)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])

@@ -28,13 +28,14 @@ GRAPH_SCRATCH_BYTES = 2 * 2**30  # the most a narrowed graph's selection may hol
 
 class NarrowedDecode:
     """What narrowed decode steps share for the engine's life: the selector, the pools and the count
-    buffer [rows, 2] (columns read, host columns read in place; summed over layers and KV heads)."""
+    buffer [rows, 3] (columns read, host columns read in place, host columns whose keys alone the selection
+    read; summed over layers and KV heads)."""
 
     def __init__(self, selector: BlockSelector, cache: PagedKVCache, backend: AttentionBackend,
                  host_pool: HostKVPool | None, block_size: int, max_rows: int):
         self.selector, self.cache, self.backend, self.host_pool = selector, cache, backend, host_pool
         self.block_size = block_size
-        self.counts = torch.zeros(max_rows, 2, dtype=torch.int64, device=cache.data.device)
+        self.counts = torch.zeros(max_rows, 3, dtype=torch.int64, device=cache.data.device)
         self.captured_with: BlockSelector | None = None  # the selector the narrowed graphs were captured with
         self.captured_shape = ()  # and what the graphs baked in of it (BlockSelector.narrowing)
 
@@ -99,7 +100,7 @@ class NarrowedDecodeKV(KVAccess):
         if self.layout is None:  # the first layer: the step's layout and fresh counts
             self.layout = DecodeLayout.from_tensors(meta.block_tables_tensor, meta.seq_lens_tensor, s.block_size, base)
             self.counts.zero_()
-        kept = s.selector.narrow(layer, q, num_kv_heads, self.layout)
+        kept = s.selector.narrow(layer, q, num_kv_heads, self.layout, self.counts[:, 2])
         second, over_pcie = s.second_pool(layer, whole=kept is None)
         if kept is None:  # every block: counted as its columns
             columns, attend_meta = self.layout, meta

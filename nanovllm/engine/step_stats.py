@@ -96,12 +96,13 @@ class StepWork:
 
     def narrowed(self, plan: StepPlan, counts: list[list[int]], per_block: int = 1) -> dict[int, SeqStepStats]:
         """A narrowed decode step (engine/narrowed.py) from its counts per row (columns read, host columns
-        read in place; per_block columns make a block: pages count as their share of a block and of its
-        bytes); the host bytes are added to the pool's transfer counts too."""
+        read in place, host columns whose keys alone the selection read; per_block columns make a block:
+        pages count as their share of a block and of its bytes); the host bytes are added to the pool's
+        transfer counts too."""
         column_bytes = self.host_pool.block_bytes_per_layer // self.num_kv_heads // per_block if self.host_pool else 0
         stats = {seq_id: SeqStepStats(decode=(read if per_block == 1 else read / per_block, self._blocks(n)),
-                                      host_kv_bytes=host * column_bytes)
-                 for seq_id, n, (read, host) in zip(plan.seq_ids, plan.seq_lens, counts)}
+                                      host_kv_bytes=host * column_bytes + keys * (column_bytes // 2))
+                 for seq_id, n, (read, host, keys) in zip(plan.seq_ids, plan.seq_lens, counts)}
         if self.host_pool:
             self.host_pool.stats.h2d_bytes += sum(s.host_kv_bytes for s in stats.values())
         return stats

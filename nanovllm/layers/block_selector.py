@@ -195,12 +195,13 @@ class BlockSelector(ABC):
         every block in every layer: the step may then run the dense decode graphs."""
         return self.dense
 
-    def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
-                    layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
+    def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+                    key_reads: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
         """For a decode step (one query row per sequence), the selection made on the device without a
         host sync: (keep [B, Hk, columns] bool over layout.at(decode_page_size), the most columns any head
         keeps), or None for every block. Equal to select() with the query blocks switched on (where the
-        columns are blocks). Selectors without it return NotImplemented and are asked select() instead."""
+        columns are blocks). Selectors without it return NotImplemented and are asked select() instead.
+        key_reads: as in narrow()."""
         return NotImplemented
 
     def decode_page_size(self, block_size: int) -> int:
@@ -226,11 +227,14 @@ class BlockSelector(ABC):
         """Device bytes `narrow` takes per row of max_blocks blocks (what a graph's memory pool keeps)."""
         raise NotImplementedError
 
-    def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
+    def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+               key_reads: torch.Tensor | None = None) -> torch.Tensor | None:
         """For a step `narrowed_decode` accepted: the kept columns of layout.at(decode_page_size) as positions
         [B, Hk, W] int64, W <= narrowed_blocks, ascending and then -1 in each row narrowed_decode accepts
         (any order in padding rows); from tensors alone (fixed shapes, no host value, no sync: inside a CUDA
-        graph); None for a layer read whole."""
+        graph); None for a layer read whole. key_reads [B] int64 on the device, if given: each row's host
+        (head, column) pairs whose keys the selection itself read from pinned memory are added to it (Quest's
+        rerank candidates; the attention's own reads are counted by the caller)."""
         raise NotImplementedError
 
 
@@ -277,15 +281,18 @@ class SparseStats:
         self._parts.append((rows, counts))
         return counts
 
-    def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int) -> None:
+    def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int,
+                             key_reads: torch.Tensor | None = None) -> None:
         """Count a device-side decode selection without a sync (added up by resolve()). keep is over
-        layout's columns: a page of a block counts as that share of the block, and of its bytes."""
+        layout's columns: a page of a block counts as that share of the block, and of its bytes. key_reads
+        [B]: host (head, column) pairs whose keys alone the selection read (half a pair's bytes each)."""
         num_kv_heads = keep.shape[1]
         for i in range(len(layout.batch.seq_lens)):
             self.decode[i][1] += layout.batch.num_blocks(i) * num_kv_heads
         host_pairs = (keep & layout.on_host[:, None, :]).sum((1, 2))
+        keys = torch.zeros_like(host_pairs) if key_reads is None else key_reads
         per_block = layout.batch.block_size // layout.block_size
-        self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs], 1), bytes_per_host_pair, per_block))
+        self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs, keys], 1), bytes_per_host_pair, per_block))
 
     def resolve(self) -> int:
         """Add the device-side counts in (one sync, and one per part) and the parts' counts; returns the host
@@ -297,10 +304,11 @@ class SparseStats:
                 counts[i][0] += pairs
             self._attended.clear()
         for counts, per_pair, per_block in self._on_device:
-            for i, (kept, host_pairs) in enumerate(counts.tolist()):
+            for i, (kept, host_pairs, keys) in enumerate(counts.tolist()):
                 self.decode[i][0] += kept if per_block == 1 else kept / per_block
-                self.host_bytes[i] += host_pairs * (per_pair // per_block)
-                total += host_pairs * (per_pair // per_block)
+                read = host_pairs * (per_pair // per_block) + keys * (per_pair // per_block // 2)
+                self.host_bytes[i] += read
+                total += read
         self._on_device.clear()
         return total
 

@@ -144,7 +144,9 @@ def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv
     other steps, and selectors without it, to select_blocks. Counts go to batch.stats either way."""
     if max(batch.query_lens) == 1:
         layout = layout_of(batch)
-        chosen = selector.decode_keep(layer, q, num_kv_heads, layout)
+        key_reads = None if batch.stats is None else torch.zeros(len(batch.seq_lens), dtype=torch.int64,
+                                                                 device=q.device)
+        chosen = selector.decode_keep(layer, q, num_kv_heads, layout, key_reads)
         if chosen is not NotImplemented:
             if chosen is None:
                 if batch.stats is not None:
@@ -153,7 +155,7 @@ def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv
             keep, widest = chosen
             columns = layout.at(selector.decode_page_size(batch.block_size))
             if batch.stats is not None:
-                batch.stats.add_decode_on_device(columns, keep, bytes_per_host_pair)
+                batch.stats.add_decode_on_device(columns, keep, bytes_per_host_pair, key_reads)
             return DeviceSelection(columns, keep, widest)
     return select_blocks(selector, layer, q, num_kv_heads, batch)
 

@@ -126,8 +126,8 @@ class QuestSelector(BlockSelector):
                 full = (n - 1) // bs
                 self.bounds.fill(seq_id, plan.block_tables[i][:full], plan.on_host[i] if plan.on_host else None)
 
-    def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int,
-                    layout: DecodeLayout) -> tuple[torch.Tensor, int] | None:
+    def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+                    key_reads: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
         """select() for a decode step, on the device: one batched bound, top-k and mask, no host sync."""
         if layer < self.dense_layers:
             return None
@@ -135,7 +135,7 @@ class QuestSelector(BlockSelector):
         sparse = self.sparse_rows(batch.block_size, batch.seq_lens)
         if not any(sparse):
             return None
-        keep = self._top_columns(layer, q, num_kv_heads, layout)
+        keep = self._top_columns(layer, q, num_kv_heads, layout, key_reads)
         columns = layout.at(self.decode_page_size(batch.block_size))
         rows_sparse = torch.tensor(sparse, device=keep.device)[:, None, None]
         keep = torch.where(rows_sparse, keep, columns.valid[:, None, :])
@@ -164,7 +164,8 @@ class QuestSelector(BlockSelector):
             return max_blocks * block_size // self.decode_page_size(block_size) * num_kv_heads * 64 + reranked
         return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16 + reranked  # min, max, float32
 
-    def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor | None:
+    def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+               key_reads: torch.Tensor | None = None) -> torch.Tensor | None:
         """The kept columns as positions [B, Hk, sink + budget + recent]: the sink block's, the top-k of the
         middle's (by bound, then sorted) and the most recent block's, -1 for none. Ascending in every row
         whose middle holds more columns than the budget (each row of a narrowed step); in other rows (a
@@ -184,6 +185,9 @@ class QuestSelector(BlockSelector):
             return kept
         candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
         exact = self.candidate_scores(layer, q, layout, candidates, page_size)
+        if key_reads is not None and self.host_keys is not None:
+            on_host = layout.at(page_size).on_host.gather(1, candidates.clamp(min=0).flatten(1)).view_as(candidates)
+            key_reads += (on_host & (candidates >= 0)).sum((1, 2))
         chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, self._rerank_chunk(layout.block_size))
         best = candidates.gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, -1)
         return torch.cat([kept[..., :sink], best, kept[..., sink + wide :]], -1)
@@ -267,10 +271,11 @@ class QuestSelector(BlockSelector):
                 ordered_top_columns(scores[..., :wide].contiguous(), torch.full_like(ends, wide), 0, budget, 0,
                                     self._rerank_chunk(block_size))
 
-    def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout) -> torch.Tensor:
+    def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+                     key_reads: torch.Tensor | None = None) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
         per-step device selection of decode_keep, whose rows need not all be narrowed)."""
-        kept = self.narrow(layer, q, num_kv_heads, layout)
+        kept = self.narrow(layer, q, num_kv_heads, layout, key_reads)
         num_columns = layout.at(self.decode_page_size(layout.block_size)).ids.shape[1]
         keep = torch.zeros(*kept.shape[:2], num_columns + 1, dtype=torch.bool, device=kept.device)
         return keep.scatter_(-1, kept.masked_fill(kept < 0, num_columns), True)[..., :num_columns]
@@ -611,8 +616,8 @@ class PrefillDecodeSelector(BlockSelector):
         self.prefill.before_step(plan)
         self.decode.before_step(plan)
 
-    def decode_keep(self, layer, q, num_kv_heads, layout):
-        return self.decode.decode_keep(layer, q, num_kv_heads, layout)  # prefill policies keep decode rows whole
+    def decode_keep(self, layer, q, num_kv_heads, layout, key_reads=None):
+        return self.decode.decode_keep(layer, q, num_kv_heads, layout, key_reads)  # prefill policies keep decode rows whole
 
     def narrowed_decode(self, block_size, seq_lens) -> bool:
         return self.decode.narrowed_decode(block_size, seq_lens)
@@ -629,8 +634,8 @@ class PrefillDecodeSelector(BlockSelector):
     def narrow_scratch_bytes(self, max_blocks) -> int:
         return self.decode.narrow_scratch_bytes(max_blocks)
 
-    def narrow(self, layer, q, num_kv_heads, layout):
-        return self.decode.narrow(layer, q, num_kv_heads, layout)
+    def narrow(self, layer, q, num_kv_heads, layout, key_reads=None):
+        return self.decode.narrow(layer, q, num_kv_heads, layout, key_reads)
 
     def warm_up(self, num_kv_heads, device) -> None:
         self.prefill.warm_up(num_kv_heads, device)
