@@ -58,7 +58,7 @@ def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: De
 
 def head_logits(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
     """[B, Hk, group, tokens]: each query head's true scores (keys read from the device pool), -inf past the keys."""
-    keys = selector.bounds.keys[layer]  # [blocks, block_size, Hk, D]
+    keys = selector.device_keys[layer]  # [blocks, block_size, Hk, D]
     if bool(layout.on_host.any()):
         raise ValueError("the oracle rules read keys from the device pool: run without offload")
     batch = layout.blocks.shape[0]

@@ -26,7 +26,7 @@ _HELP = {
     "quest_page_select": "Quest: decode steps keep each KV head's top 16-token pages within the budget (plus the "
                          "sink and recent blocks' pages) instead of its top KV blocks (default: on)",
     "quest_rerank": "Quest: the bound's top N x budget pages are ranked again by their keys' exact largest score, "
-                    "and the budget's best of them kept (1: the bound alone)",
+                    "and the budget's best of them kept (default 2; 1: the bound alone, as the Quest paper)",
     "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",

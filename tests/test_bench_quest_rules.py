@@ -19,10 +19,10 @@ from quest_rules import rule_scores  # noqa: E402
 def test_group_max_rule_is_the_engines_bound_and_exact_max_its_candidate_scores(offload):
     step = PageStep(0, offload)
     step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))  # the step's own token (bounds through the hook)
-    step.bounds.keys = step.cache.data[0]
     batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
     layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=1000)
-    selector = QuestSelector(step.bounds, token_budget=80, dense_layers=0, min_context=0, page_select=True)
+    selector = QuestSelector(step.bounds, token_budget=80, dense_layers=0, min_context=0, page_select=True,
+                             device_keys=step.cache.data[0])
     engine = selector.batch_block_scores(0, step.q, PAGE_HK, layout, pages=True)
     torch.testing.assert_close(rule_scores("group max")(selector, 0, step.q, PAGE_HK, layout, pages=True), engine)
     if not offload:  # the key-reading rules take the device pool only

@@ -207,9 +207,10 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
     assert not narrowed.captured(selector, 1, Graphs)
     assert not narrowed.captured(QuestSelector(selector.bounds, 2 * BS, 0, 0), 1, Graphs)
     selector.token_budget = 2 * BS
-    selector.rerank = 2
+    captured_rerank = selector.rerank
+    selector.rerank = captured_rerank + 1
     assert not narrowed.captured(selector, 1, Graphs)
-    selector.rerank = 1
+    selector.rerank = captured_rerank
     selector.page_select = True  # 16-token blocks: its pages are the blocks, the same narrowing
     assert narrowed.captured(selector, 1, Graphs)
 

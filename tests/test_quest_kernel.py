@@ -302,10 +302,9 @@ def test_candidate_max_scores_equal_the_reference(block_size, column_size, num_k
     columns = layout.ids.shape[1] * block_size // column_size
     candidates = torch.randint(-1, columns, (3, num_kv_heads, 13), generator=g)
     q = torch.randn(3, num_kv_heads * group, dim, generator=g)
-    bounds = BlockKeyBounds(1, num_blocks, num_host, block_size, num_kv_heads, dim, torch.device("cpu"), page_size=16,
-                            keys=keys[None])
+    bounds = BlockKeyBounds(1, num_blocks, num_host, block_size, num_kv_heads, dim, torch.device("cpu"), page_size=16)
     selector = QuestSelector(bounds, token_budget=64, dense_layers=0, min_context=0, page_select=True, rerank=2,
-                             host_keys=host_keys[None] if host else None)
+                             device_keys=keys[None], host_keys=host_keys[None] if host else None)
     want = selector.candidate_scores(0, q, layout, candidates, column_size)
     got = candidate_max_scores(q.to(DEVICE), keys.to(DEVICE), host_keys.to(DEVICE) if host else None,
                                layout.ids.to(DEVICE), layout.seq_lens.to(DEVICE), candidates.to(DEVICE), block_size,

@@ -953,9 +953,8 @@ def test_quest_rerank_selection_equals_brute_force(seed, offload):
 
     step, budget, base, rerank = PageStep(seed, offload), 5, 1000, 2
     step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))
-    step.bounds.keys = step.cache.data[0]  # the keys the candidates are ranked by (the engine's lazily filled bounds')
     selector = QuestSelector(step.bounds, token_budget=16 * budget, dense_layers=0, min_context=0, page_select=True,
-                             rerank=rerank, host_keys=step.pool.host[0] if offload else None)
+                             rerank=rerank, device_keys=step.cache.data[0], host_keys=step.pool.host[0] if offload else None)
     batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
     layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=base)
     key_reads = torch.zeros(4, dtype=torch.int64)
@@ -966,7 +965,9 @@ def test_quest_rerank_selection_equals_brute_force(seed, offload):
     assert any(not torch.equal(a, b) for a, b in zip(want, step.want_keep(budget)))
     host_candidates = [candidate_pages_on_host(k, q, n, budget, rerank, flags)
                        for k, q, n, flags in zip(step.k, step.q, step.SEQ_LENS, step.on_host)]
-    assert key_reads.tolist() == host_candidates and (sum(host_candidates) > 0) == offload
+    dropping = selector.sparse_rows(PAGE_BS, step.SEQ_LENS)  # decode_keep reads no keys for the rows it keeps whole
+    assert not all(dropping) and (sum(host_candidates) > 0) == offload
+    assert key_reads.tolist() == [n if d else 0 for n, d in zip(host_candidates, dropping)]
     padded = torch.full((4, 16), 39, dtype=torch.int64)
     for i, (t, f) in enumerate(zip(step.located, step.on_host)):
         padded[i, : len(t)] = torch.tensor([base + b if h else b for b, h in zip(t, f)])
@@ -974,14 +975,14 @@ def test_quest_rerank_selection_equals_brute_force(seed, offload):
     graph_reads = torch.zeros(4, dtype=torch.int64)
     got = positions_mask(selector.narrow(0, step.q, PAGE_HK, graph, graph_reads), graph.at(16).ids.shape[1])
     assert torch.equal(got[:, :, : keep.shape[-1]], keep) and not got[:, :, keep.shape[-1]:].any()
-    assert graph_reads.tolist() == host_candidates
+    assert graph_reads.tolist() == host_candidates  # a narrowed step's rows all drop pages: it reads them all
 
 
 def candidate_pages_on_host(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_pages: int, rerank: int,
                             on_host: list[bool]) -> int:
     """The (KV head, page) pairs of a sequence whose keys quest_rerank reads from the host pool in a step that
     reranks (its longest row holds more pages than the budget between the sink and the last block): the bound's
-    rerank x budget candidates there, every page of them in a shorter row."""
+    rerank x budget candidates there, every page there in a row holding fewer."""
     per_block, n = PAGE_BS // 16, -(-seq_len // PAGE_BS)
     candidates = brute_force_quest_pages(keys, q, seq_len, rerank * budget_pages, PAGE_BS)
     middle = range(per_block, (n - 1) * per_block)

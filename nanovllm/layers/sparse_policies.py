@@ -49,23 +49,27 @@ class QuestSelector(BlockSelector):
 
     def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
                  sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
-                 max_model_len: int | None = None, rerank: int = 1, host_keys: torch.Tensor | None = None):
+                 max_model_len: int | None = None, rerank: int = 1, device_keys: torch.Tensor | None = None,
+                 host_keys: torch.Tensor | None = None):
         """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
         (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
         pages; select() keeps selecting blocks (the strategies send a mixed step's decode rows to
         decode_keep too, `MixedRows`). max_model_len: the longest sequence; with it every narrow() on CUDA
         runs one compiled variant of the top kernel, which warm_up() compiles. rerank: candidates per kept
-        column, ranked by their keys (bounds.keys, and host_keys [layers, host blocks, block_size, Hk, D] for
-        host blocks)."""
+        column, ranked by their keys: device_keys [layers, blocks, block_size, Hk, D] (the device pool's; needed
+        when rerank > 1) and host_keys [layers, host blocks, block_size, Hk, D] for host blocks."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
-        self.max_model_len, self.rerank, self.host_keys = max_model_len, rerank, host_keys
+        self.max_model_len, self.rerank = max_model_len, rerank
+        self.device_keys, self.host_keys = device_keys, host_keys
         # narrow() on CUDA through one Triton kernel (kernels/triton_quest.ordered_top_columns) instead of
         # top-k + sort (1.13x the narrowed 128K offload step at budget 2048, docs/BENCHMARKS.md)
         self.ordered_top = True
         if bounds.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
+        if rerank > 1 and device_keys is None:
+            raise ValueError(f"rerank={rerank} ranks candidates by their keys: device_keys is needed")
 
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         if layer < self.dense_layers:
@@ -135,9 +139,9 @@ class QuestSelector(BlockSelector):
         sparse = self.sparse_rows(batch.block_size, batch.seq_lens)
         if not any(sparse):
             return None
-        keep = self._top_columns(layer, q, num_kv_heads, layout, key_reads)
+        rows_sparse = torch.tensor(sparse, device=q.device)[:, None, None]
+        keep = self._top_columns(layer, q, num_kv_heads, layout, key_reads, rows_sparse)
         columns = layout.at(self.decode_page_size(batch.block_size))
-        rows_sparse = torch.tensor(sparse, device=keep.device)[:, None, None]
         keep = torch.where(rows_sparse, keep, columns.valid[:, None, :])
         per_block = batch.block_size // columns.block_size
         widest = max(self.narrowed_blocks(batch.block_size) if s else batch.num_blocks(i) * per_block
@@ -165,12 +169,13 @@ class QuestSelector(BlockSelector):
         return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16 + reranked  # min, max, float32
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
-               key_reads: torch.Tensor | None = None) -> torch.Tensor | None:
+               key_reads: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The kept columns as positions [B, Hk, sink + budget + recent]: the sink block's, the top-k of the
         middle's (by bound, then sorted) and the most recent block's, -1 for none. Ascending in every row
         whose middle holds more columns than the budget (each row of a narrowed step); in other rows (a
         graph's padding, a capture) the -1 may come between. No mask over every column, no scan: a
-        narrowed step's tables come from these positions by one gather (kv_access.column_tables)."""
+        narrowed step's tables come from these positions by one gather (kv_access.column_tables). rows
+        [B, 1, 1] bool: the rows whose choice counts (decode_keep's sparse rows); the others read no keys."""
         if layer < self.dense_layers:
             return None
         page_size = self.decode_page_size(layout.block_size)
@@ -184,6 +189,8 @@ class QuestSelector(BlockSelector):
         if wide == budget:
             return kept
         candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
+        if rows is not None:
+            candidates = candidates.masked_fill(~rows, -1)
         exact = self.candidate_scores(layer, q, layout, candidates, page_size)
         if key_reads is not None and self.host_keys is not None:
             on_host = layout.at(page_size).on_host.gather(1, candidates.clamp(min=0).flatten(1)).view_as(candidates)
@@ -211,7 +218,7 @@ class QuestSelector(BlockSelector):
             from nanovllm.kernels.triton_quest import candidate_max_scores
 
             host = self.host_keys[layer] if self.host_keys is not None else None
-            return candidate_max_scores(q, self.bounds.keys[layer], host, layout.ids, layout.seq_lens,
+            return candidate_max_scores(q, self.device_keys[layer], host, layout.ids, layout.seq_lens,
                                         columns, layout.block_size, column_size, layout.base)
         batch, num_kv_heads, _ = columns.shape
         per_block, block_size = layout.block_size // column_size, layout.block_size
@@ -222,7 +229,7 @@ class QuestSelector(BlockSelector):
         token = ((col % per_block) * column_size)[..., None] + torch.arange(column_size, device=col.device)
         head = torch.arange(num_kv_heads, device=col.device)[None, :, None, None]
         device_ids = torch.where(on_host | (blocks < 0), 0, blocks)  # ids within each pool
-        keys = self.bounds.keys[layer][device_ids[..., None], token, head]  # [B, Hk, N, P, D]
+        keys = self.device_keys[layer][device_ids[..., None], token, head]  # [B, Hk, N, P, D]
         if self.host_keys is not None:  # no host sync: every row gathers from both pools
             host = self.host_keys[layer][torch.where(on_host, blocks, 0)[..., None], token, head]
             keys = torch.where(on_host[..., None, None], host, keys)
@@ -272,10 +279,10 @@ class QuestSelector(BlockSelector):
                                     self._rerank_chunk(block_size))
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
-                     key_reads: torch.Tensor | None = None) -> torch.Tensor:
+                     key_reads: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
         """keep [B, Hk, columns] over layout.at(decode_page_size): narrow()'s columns as a mask (the
         per-step device selection of decode_keep, whose rows need not all be narrowed)."""
-        kept = self.narrow(layer, q, num_kv_heads, layout, key_reads)
+        kept = self.narrow(layer, q, num_kv_heads, layout, key_reads, rows)
         num_columns = layout.at(self.decode_page_size(layout.block_size)).ids.shape[1]
         keep = torch.zeros(*kept.shape[:2], num_columns + 1, dtype=torch.bool, device=kept.device)
         return keep.scatter_(-1, kept.masked_fill(kept < 0, num_columns), True)[..., :num_columns]
@@ -667,7 +674,7 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
                                            config.sparse_min_context, page_select=config.quest_page_select,
                                            max_model_len=config.max_model_len, rerank=config.quest_rerank,
-                                           host_keys=host_keys)
+                                           device_keys=cache.data[0], host_keys=host_keys)
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,
