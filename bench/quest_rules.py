@@ -9,7 +9,7 @@ plus the sink and the most recent block as the engine keeps them:
 
 - full: no page dropped (the budget covers the context);
 - engine: the engine's own scores, unreplaced (the same as group max, through the engine's code);
-- group max: Quest as built (each query head's upper bound sum_d max(q_d max_d, q_d min_d), the maximum over the
+- group max: Quest's bound, the paper's rule (each query head's upper bound sum_d max(q_d max_d, q_d min_d), the maximum over the
   KV head's query heads);
 - oracle: the true softmax mass of each page (q . k over the page's keys), summed over the group: the best any
   bound-free rule could choose at this budget (needs the keys: device pool only);
@@ -19,7 +19,8 @@ plus the sink and the most recent block as the engine keeps them:
 - exact max: the largest true score q . k on the page (what the bound bounds from above), the maximum over the group;
 - refine Nx: the group max's top N x budget pages as candidates, ranked by oracle max computed over the candidates,
   the sink and the recent block only (the keys such a rule would read);
-- rerank Nx: the engine's own `quest_rerank=N` (the bound's top N x budget pages ranked by their exact largest score).
+- rerank Nx: the engine's own `quest_rerank=N` (the bound's top N x budget pages ranked by their exact largest score;
+  the engine's default is 2, the other rules run with 1).
 
 CPU or GPU (eager steps), page selection only:
 
@@ -171,8 +172,9 @@ def main() -> None:
         by_cell[(s["task"], s["length"])].append(s)
     samples = [s for cell in by_cell.values() for s in cell[: args.samples]]
     options = {k: v for k, v in (("num_gpu_blocks", args.num_gpu_blocks), ("dtype", args.dtype)) if v is not None}
+    # quest_rerank=1: each rule's ranking alone ("rerank Nx" sets the engine's own rerank)
     llm = LLM(args.model, sparse_policy="quest", sparse_min_context=0, quest_token_budget=args.budget,
-              enforce_eager=True, max_model_len=max(args.lengths), **options)
+              quest_rerank=1, enforce_eager=True, max_model_len=max(args.lengths), **options)
     selector = llm.runner.worker.selector
     prompter = Prompter(llm.tokenizer, "chat")
     records = []
