@@ -989,6 +989,11 @@ def candidate_pages_on_host(keys: torch.Tensor, q: torch.Tensor, seq_len: int, b
     return sum(bool(candidates[h, p]) and on_host[p // per_block] for h in range(keys.shape[1]) for p in middle)
 
 
+def test_quest_rerank_needs_the_device_keys():
+    with pytest.raises(ValueError, match="rerank=2 ranks candidates by their keys: device_keys is needed"):
+        QuestSelector(PageStep(0, False).bounds, token_budget=32, dense_layers=0, min_context=0, rerank=2)
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
 def test_quest_rerank_in_the_engine_keeps_the_budget(tiny_llama, offload):
     """quest_rerank=2 end to end: the same decode density as the bound alone (each KV head still reads the budget's
