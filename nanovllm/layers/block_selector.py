@@ -273,6 +273,7 @@ class SparseStats:
         self._on_device: list[tuple[torch.Tensor, int, int]] = []
         self._attended: list[tuple[list, int, torch.Tensor]] = []  # (prefill or decode, sequence, pairs on the device)
         self._parts: list[tuple[list[int], SparseStats]] = []  # (the step's sequences, their counts) of sub-batches
+        self._key_reads: tuple[torch.Tensor, int] | None = None  # see key_reads()
 
     def part(self, rows: list[int]) -> SparseStats:
         """The counts of a sub-batch of the step (its sequences `rows`, in order; a part of a mixed step
@@ -281,18 +282,22 @@ class SparseStats:
         self._parts.append((rows, counts))
         return counts
 
-    def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int,
-                             key_reads: torch.Tensor | None = None) -> None:
+    def add_decode_on_device(self, layout: DecodeLayout, keep: torch.Tensor, bytes_per_host_pair: int) -> None:
         """Count a device-side decode selection without a sync (added up by resolve()). keep is over
-        layout's columns: a page of a block counts as that share of the block, and of its bytes. key_reads
-        [B]: host (head, column) pairs whose keys alone the selection read (half a pair's bytes each)."""
+        layout's columns: a page of a block counts as that share of the block, and of its bytes."""
         num_kv_heads = keep.shape[1]
         for i in range(len(layout.batch.seq_lens)):
             self.decode[i][1] += layout.batch.num_blocks(i) * num_kv_heads
         host_pairs = (keep & layout.on_host[:, None, :]).sum((1, 2))
-        keys = torch.zeros_like(host_pairs) if key_reads is None else key_reads
         per_block = layout.batch.block_size // layout.block_size
-        self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs, keys], 1), bytes_per_host_pair, per_block))
+        self._on_device.append((torch.stack([keep.sum((1, 2)), host_pairs], 1), bytes_per_host_pair, per_block))
+
+    def key_reads(self, device: torch.device, bytes_per_pair: int) -> torch.Tensor:
+        """[sequences] int64 on the device, made once per step: the selections add the host (head, column)
+        pairs whose keys alone they read (BlockSelector.narrow), bytes_per_pair each, added up by resolve()."""
+        if self._key_reads is None:
+            self._key_reads = (torch.zeros(len(self.decode), dtype=torch.int64, device=device), bytes_per_pair)
+        return self._key_reads[0]
 
     def resolve(self) -> int:
         """Add the device-side counts in (one sync, and one per part) and the parts' counts; returns the host
@@ -304,12 +309,17 @@ class SparseStats:
                 counts[i][0] += pairs
             self._attended.clear()
         for counts, per_pair, per_block in self._on_device:
-            for i, (kept, host_pairs, keys) in enumerate(counts.tolist()):
+            for i, (kept, host_pairs) in enumerate(counts.tolist()):
                 self.decode[i][0] += kept if per_block == 1 else kept / per_block
-                read = host_pairs * (per_pair // per_block) + keys * (per_pair // per_block // 2)
-                self.host_bytes[i] += read
-                total += read
+                self.host_bytes[i] += host_pairs * (per_pair // per_block)
+                total += host_pairs * (per_pair // per_block)
         self._on_device.clear()
+        if self._key_reads is not None:
+            pairs, per_pair = self._key_reads
+            for i, n in enumerate(pairs.tolist()):
+                self.host_bytes[i] += n * per_pair
+                total += n * per_pair
+            self._key_reads = None
         return total
 
     def _add_part(self, rows: list[int], counts: SparseStats) -> int:

@@ -144,8 +144,8 @@ def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv
     other steps, and selectors without it, to select_blocks. Counts go to batch.stats either way."""
     if max(batch.query_lens) == 1:
         layout = layout_of(batch)
-        key_reads = None if batch.stats is None else torch.zeros(len(batch.seq_lens), dtype=torch.int64,
-                                                                 device=q.device)
+        key_bytes = bytes_per_host_pair // (batch.block_size // selector.decode_page_size(batch.block_size)) // 2
+        key_reads = None if batch.stats is None else batch.stats.key_reads(q.device, key_bytes)
         chosen = selector.decode_keep(layer, q, num_kv_heads, layout, key_reads)
         if chosen is not NotImplemented:
             if chosen is None:
@@ -155,7 +155,7 @@ def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv
             keep, widest = chosen
             columns = layout.at(selector.decode_page_size(batch.block_size))
             if batch.stats is not None:
-                batch.stats.add_decode_on_device(columns, keep, bytes_per_host_pair, key_reads)
+                batch.stats.add_decode_on_device(columns, keep, bytes_per_host_pair)
             return DeviceSelection(columns, keep, widest)
     return select_blocks(selector, layer, q, num_kv_heads, batch)
 
