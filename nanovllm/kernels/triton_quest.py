@@ -217,14 +217,16 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
 
 @triton.jit(do_not_specialize=["num_candidates", "stride_tb"])  # candidate counts and table widths vary by step
 def _candidate_max_kernel(
-    q_ptr, k_ptr, tables_ptr, seq_lens_ptr, cand_ptr, out_ptr, host_delta, base, num_candidates,
+    q_ptr, k_ptr, tables_ptr, seq_lens_ptr, cand_ptr, out_ptr, reads_ptr, host_delta, base, num_candidates,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_cb, stride_ch, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMN: tl.constexpr,
     PER_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, CANDIDATES: tl.constexpr, TOKENS: tl.constexpr,
+    COUNT_HOST: tl.constexpr,
 ):
     """One (sequence, KV head, run of CANDIDATES candidates): each candidate column's largest q . k over its keys
     before the sequence's end and the KV head's query heads, -inf for none; keys of host blocks (table entries
-    >= base) read host_delta elements away, from pinned memory in place."""
+    >= base) read host_delta elements away, from pinned memory in place (COUNT_HOST: their candidates added to
+    reads_ptr[sequence])."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
@@ -233,6 +235,7 @@ def _candidate_max_kernel(
     t = tl.arange(0, TOKENS)
     q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
                 mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
+    host_reads = 0
     for i in range(CANDIDATES):
         n = tl.program_id(2) * CANDIDATES + i
         in_range = n < num_candidates
@@ -242,6 +245,7 @@ def _candidate_max_kernel(
         block_col = col // PER_BLOCK
         entry = tl.load(tables_ptr + b * stride_tb + block_col, mask=valid, other=0)
         on_host = entry >= base
+        host_reads += (valid & on_host).to(tl.int32)
         block = tl.where(on_host, entry - base, entry)
         best = tl.full([], float("-inf"), tl.float32)
         for start in tl.static_range(0, COLUMN, TOKENS):
@@ -253,14 +257,18 @@ def _candidate_max_kernel(
             s = tl.where((g < GROUP)[:, None] & ok[None, :], s, float("-inf"))
             best = tl.maximum(best, tl.max(tl.max(s, axis=1), axis=0))
         tl.store(out_ptr + b * stride_ob + h * stride_oh + n, best, mask=in_range)
+    if COUNT_HOST:
+        tl.atomic_add(reads_ptr + b, host_reads.to(tl.int64))
 
 
 def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.Tensor | None, tables: torch.Tensor,
                          seq_lens: torch.Tensor, candidates: torch.Tensor, block_size: int, column_size: int,
-                         base: int | None, candidates_per_program: int = 8) -> torch.Tensor:
+                         base: int | None, candidates_per_program: int = 8,
+                         key_reads: torch.Tensor | None = None) -> torch.Tensor:
     """[B, Hk, N] float32: `QuestSelector.candidate_scores` (its reference) in one launch. q [B, Hq, D]; keys [blocks,
     block_size, Hk, D] one layer's device pool, host_keys the host pool's (pinned, read in place; table entries
-    >= base of tables [B, W]); candidates [B, Hk, N] column positions of column_size tokens (-1: none)."""
+    >= base of tables [B, W]); candidates [B, Hk, N] column positions of column_size tokens (-1: none);
+    key_reads [B] int64, if given: each sequence's candidates read from the host pool added to it."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, count = candidates.shape[1], candidates.shape[2]
     if host_keys is not None and (host_keys.stride() != keys.stride() or host_keys.dtype != keys.dtype):
@@ -272,11 +280,12 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
     out = torch.empty(batch, num_kv_heads, count, dtype=torch.float32, device=q.device)
     grid = (batch, num_kv_heads, triton.cdiv(max(count, 1), candidates_per_program))
     _candidate_max_kernel[grid](
-        q, keys, tables, seq_lens, candidates, out, host_delta, NO_SECOND_POOL if base is None else base, count,
+        q, keys, tables, seq_lens, candidates, out, key_reads if key_reads is not None else out, host_delta,
+        NO_SECOND_POOL if base is None else base, count,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
         candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, COLUMN=column_size,
         PER_BLOCK=block_size // column_size, BLOCK_SIZE=block_size, CANDIDATES=candidates_per_program,
-        TOKENS=min(column_size, 16),
+        TOKENS=min(column_size, 16), COUNT_HOST=key_reads is not None and host_keys is not None,
     )
     return out

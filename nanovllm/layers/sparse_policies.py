@@ -191,10 +191,7 @@ class QuestSelector(BlockSelector):
         candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
         if rows is not None:
             candidates = candidates.masked_fill(~rows, -1)
-        exact = self.candidate_scores(layer, q, layout, candidates, page_size)
-        if key_reads is not None and self.host_keys is not None:
-            on_host = layout.at(page_size).on_host.gather(1, candidates.clamp(min=0).flatten(1)).view_as(candidates)
-            key_reads += (on_host & (candidates >= 0)).sum((1, 2))
+        exact = self.candidate_scores(layer, q, layout, candidates, page_size, key_reads)
         chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, self._rerank_chunk(layout.block_size))
         best = candidates.gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, -1)
         return torch.cat([kept[..., :sink], best, kept[..., sink + wide :]], -1)
@@ -208,18 +205,19 @@ class QuestSelector(BlockSelector):
         return quest_top_reference(scores, ends, sink, budget, recent)
 
     def candidate_scores(self, layer: int, q: torch.Tensor, layout: DecodeLayout, columns: torch.Tensor,
-                         column_size: int) -> torch.Tensor:
+                         column_size: int, key_reads: torch.Tensor | None = None) -> torch.Tensor:
         """[B, Hk, N] float32: for each column position of columns [B, Hk, N] (-1: none, -inf out) in units
         of column_size tokens, the largest q . k over its keys (those before the sequence's end) and the KV
         head's query heads q [B, Hq, D]: the exact score the Quest bound bounds from above. Keys come from
         the device pool or, for host blocks, host_keys. On CUDA one Triton kernel (host keys read in place,
-        kernels/triton_quest.candidate_max_scores); this is its reference."""
+        kernels/triton_quest.candidate_max_scores); this is its reference. key_reads [B]: each row's columns
+        whose keys were read from host_keys are added to it."""
         if q.is_cuda:
             from nanovllm.kernels.triton_quest import candidate_max_scores
 
             host = self.host_keys[layer] if self.host_keys is not None else None
             return candidate_max_scores(q, self.device_keys[layer], host, layout.ids, layout.seq_lens,
-                                        columns, layout.block_size, column_size, layout.base)
+                                        columns, layout.block_size, column_size, layout.base, key_reads=key_reads)
         batch, num_kv_heads, _ = columns.shape
         per_block, block_size = layout.block_size // column_size, layout.block_size
         col = columns.clamp(min=0)
@@ -233,6 +231,8 @@ class QuestSelector(BlockSelector):
         if self.host_keys is not None:  # no host sync: every row gathers from both pools
             host = self.host_keys[layer][torch.where(on_host, blocks, 0)[..., None], token, head]
             keys = torch.where(on_host[..., None, None], host, keys)
+            if key_reads is not None:
+                key_reads += (on_host & (columns >= 0)).sum((1, 2))
         group = q.view(batch, num_kv_heads, -1, q.shape[-1]).float()
         scores = torch.einsum("bhgd,bhnpd->bhnpg", group, keys.float()).amax(-1)  # [B, Hk, N, P]
         position = (block_col * block_size)[..., None] + token
