@@ -6,7 +6,8 @@
   therefore shaped: per KV head a random 8% of the 128-token key blocks carry the head's query direction, so
   the estimate finds a sparse mass (the density it selects is printed beside the speed);
 - decode with KV offloaded (the device KV blocks of bench/offload.py's 24 GB-card budget; Quest's key
-  bounds and its dense layers' device mirror come on top and are printed): Quest at token budgets 2048 and 4096 against dense offload, on the same
+  bounds and its dense layers' device mirror come on top and are printed): Quest at token budgets 2048 and 4096
+  (the bound alone, quest_rerank=1; --rerank-peer 2 adds the engine's default) against dense offload, on the same
   prefilled sequences (the selector is swapped between timings); host bytes per step, the PCIe floor of
   those bytes and the GB/s achieved;
 - GPU-only decode, Quest against dense, same sequences;
