@@ -130,10 +130,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nanovllm.kernels.triton_quest import _candidate_max_kernel as kernel
 names = kernel.arg_names
-sig = {name: "i32" for name in names[6:20]}
+sig = {name: "i32" for name in names[6:21]}
 sig.update(q_ptr="*bf16", k_ptr="*bf16", tables_ptr="*i64", seq_lens_ptr="*i64", cand_ptr="*i64", out_ptr="*fp32",
            reads_ptr="*i64", host_delta="i64", base="i64")
-sig.update({name: "constexpr" for name in names[20:]})
+sig.update({name: "constexpr" for name in names[21:]})
 for group, dim, column, count in [(4, 128, 16, True), (4, 128, 256, False), (3, 64, 16, True)]:
     consts = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=dim, COLUMN=column,
                   PER_BLOCK=256 // column, BLOCK_SIZE=256, CANDIDATES=8, TOKENS=16, COUNT_HOST=count)
@@ -305,7 +305,9 @@ def test_candidate_max_scores_equal_the_reference(block_size, column_size, num_k
     bounds = BlockKeyBounds(1, num_blocks, num_host, block_size, num_kv_heads, dim, torch.device("cpu"), page_size=16)
     selector = QuestSelector(bounds, token_budget=64, dense_layers=0, min_context=0, page_select=True, rerank=2,
                              device_keys=keys[None], host_keys=host_keys[None] if host else None)
-    want_reads, got_reads = torch.full((3,), 5), torch.full((3,), 5, device=DEVICE)
+    want_reads = torch.full((3,), 5)
+    counts = torch.full((3, 3), 5, device=DEVICE)  # a column of a count buffer, as the narrowed steps pass it
+    got_reads = counts[:, 2]
     want = selector.candidate_scores(0, q, layout, candidates, column_size, want_reads)
     got = candidate_max_scores(q.to(DEVICE), keys.to(DEVICE), host_keys.to(DEVICE) if host else None,
                                layout.ids.to(DEVICE), layout.seq_lens.to(DEVICE), candidates.to(DEVICE), block_size,
@@ -313,3 +315,4 @@ def test_candidate_max_scores_equal_the_reference(block_size, column_size, num_k
     assert torch.isinf(want).any() and torch.isfinite(want).any()
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_reads.cpu(), want_reads) and bool((want_reads > 5).any()) == host  # host candidates added
+    assert bool((counts[:, :2] == 5).all())

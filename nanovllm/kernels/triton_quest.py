@@ -219,6 +219,7 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
 def _candidate_max_kernel(
     q_ptr, k_ptr, tables_ptr, seq_lens_ptr, cand_ptr, out_ptr, reads_ptr, host_delta, base, num_candidates,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_cb, stride_ch, stride_ob, stride_oh,
+    stride_r,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMN: tl.constexpr,
     PER_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, CANDIDATES: tl.constexpr, TOKENS: tl.constexpr,
     COUNT_HOST: tl.constexpr,
@@ -258,7 +259,7 @@ def _candidate_max_kernel(
             best = tl.maximum(best, tl.max(tl.max(s, axis=1), axis=0))
         tl.store(out_ptr + b * stride_ob + h * stride_oh + n, best, mask=in_range)
     if COUNT_HOST:
-        tl.atomic_add(reads_ptr + b, host_reads.to(tl.int64))
+        tl.atomic_add(reads_ptr + b * stride_r, host_reads.to(tl.int64))
 
 
 def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.Tensor | None, tables: torch.Tensor,
@@ -268,7 +269,7 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
     """[B, Hk, N] float32: `QuestSelector.candidate_scores` (its reference) in one launch. q [B, Hq, D]; keys [blocks,
     block_size, Hk, D] one layer's device pool, host_keys the host pool's (pinned, read in place; table entries
     >= base of tables [B, W]); candidates [B, Hk, N] column positions of column_size tokens (-1: none);
-    key_reads [B] int64, if given: each sequence's candidates read from the host pool added to it."""
+    key_reads [B] int64 (any stride), if given: each sequence's candidates read from the host pool added to it."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, count = candidates.shape[1], candidates.shape[2]
     if host_keys is not None and (host_keys.stride() != keys.stride() or host_keys.dtype != keys.dtype):
@@ -284,7 +285,7 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
         NO_SECOND_POOL if base is None else base, count,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
         candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, COLUMN=column_size,
+        key_reads.stride(0) if key_reads is not None else 0, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, COLUMN=column_size,
         PER_BLOCK=block_size // column_size, BLOCK_SIZE=block_size, CANDIDATES=candidates_per_program,
         TOKENS=min(column_size, 16), COUNT_HOST=key_reads is not None and host_keys is not None,
     )
