@@ -11,6 +11,8 @@
   prefilled sequences (the selector is swapped between timings); host bytes per step, the PCIe floor of
   those bytes and the GB/s achieved;
 - GPU-only decode, Quest against dense, same sequences;
+- with --e2e-contexts: end-to-end prefill of one random prompt per length through --config's random weights,
+  dense vs XAttention at --e2e-threshold (near-uniform attention: the threshold sets the density);
 - with --model and --samples-file (RULER samples saved by `nanovllm ruler --save-samples`): end-to-end
   prefill of real prompts through a real model, one prompt at a time, dense and XAttention engines
   alternating, with the density each prompt got (real attention patterns, unlike random weights).
@@ -20,6 +22,8 @@
         [--profile-kernels] [--rerank-peer N]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
+    PYTHONPATH=. python3 bench/sparse.py --e2e-contexts 131072 [--e2e-threshold 0.2] --skip-prefill --skip-offload \
+        --skip-gpu-only
 """
 from __future__ import annotations
 
@@ -243,6 +247,41 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     return results
 
 
+def e2e_prefill_random(config: str, context: int, threshold: float, reps: int = 2, **options) -> dict:
+    """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
+    weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
+    untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
+    mass are about that share of them, so the threshold sets the density (printed): a speed measurement at a
+    chosen density, not an accuracy one. options: further engine options (both engines)."""
+    import time
+
+    block_size = options.get("kvcache_block_size", 256)
+    common = dict(load_format="dummy", sparse_min_context=0, xattn_threshold=threshold, enable_prefix_caching=False,
+                  max_model_len=context + 16, max_num_seqs=1, num_gpu_blocks=-(-(context + 16) // block_size) + 2)
+    engines = {name: LLM(config, sparse_policy=name, **{**common, **options}) for name in ("full", "xattention")}
+    vocab = engines["full"].config.hf_config["vocab_size"]
+    prompt = random_prompts(vocab, 1, context, context)[0]
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    seconds, density = {name: [] for name in engines}, None
+    for rep in range(reps + 1):
+        for name, llm in engines.items():
+            synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            synchronize()
+            start = time.perf_counter()
+            out = llm.generate([prompt], first, use_tqdm=False)[0]
+            synchronize()
+            if rep:  # the first run compiles what the prompt meets
+                seconds[name].append(time.perf_counter() - start)
+            if name == "xattention":
+                density = out.metrics.prefill_density
+    dense, sparse = min(seconds["full"]), min(seconds["xattention"])
+    result = dict(context=context, threshold=threshold, density=density, dense_s=dense, xattention_s=sparse,
+                  speedup=dense / sparse, runs=reps)
+    log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}): dense {dense:.2f} s, "
+        f"XAttention {sparse:.2f} s at density {density:.3f} -> {dense / sparse:.2f}x (best of {reps})")
+    return result
+
+
 def e2e_prefill(model: str, samples_file: str, num_prompts: int, threshold: float, cover: str = "head") -> dict:
     """Time to first token of real prompts, dense vs XAttention (sparse_min_context 0), same process."""
     import time
@@ -301,6 +340,10 @@ def main() -> None:
     ap.add_argument("--model", help="a real model for the end-to-end prefill (with --samples-file)")
     ap.add_argument("--samples-file", help="RULER samples (nanovllm ruler --save-samples) for --model")
     ap.add_argument("--prompts", type=int, default=8, help="the longest N prompts of --samples-file")
+    ap.add_argument("--e2e-contexts", nargs="+", type=int, default=[],
+                    help="end-to-end prefill of one random prompt of each length on --config's random weights, dense "
+                         "vs XAttention at --e2e-threshold (the density follows it)")
+    ap.add_argument("--e2e-threshold", type=float, default=0.2)
     args = ap.parse_args()
     require_cuda()
     which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer)
@@ -317,6 +360,9 @@ def main() -> None:
     if not args.skip_gpu_only:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
                                                   False, None, which)
+    for context in args.e2e_contexts:
+        results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(args.config, context, args.e2e_threshold))
+        release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
     save_results("sparse", results)

@@ -1,0 +1,20 @@
+"""bench/sparse.py's end-to-end prefill on random weights (the H200 runs it on the Llama-3.1-8B shape at 128K), on the
+CPU at a toy size: both engines prefill the same prompt, XAttention at a density the threshold sets."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from sparse import e2e_prefill_random  # noqa: E402
+
+
+def test_random_weights_prefill_density_follows_the_threshold(tiny_llama):
+    """A higher threshold keeps more blocks; at a toy size the forced blocks (sink, diagonal, the prompt's last two
+    query blocks) are a large share, so only the order and the bounds are checked."""
+    options = dict(reps=1, device="cpu", dtype="float32", kvcache_block_size=16, xattn_block_size=16, xattn_stride=4,
+                   max_num_batched_tokens=256)
+    low, high = (e2e_prefill_random(str(tiny_llama), 480, threshold, **options) for threshold in (0.2, 0.8))
+    assert low["context"] == 480 and low["dense_s"] > 0 and low["xattention_s"] > 0
+    assert low["speedup"] == low["dense_s"] / low["xattention_s"]
+    assert 0 < low["density"] < high["density"] < 1
