@@ -247,17 +247,25 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     return results
 
 
-def e2e_prefill_random(config: str, context: int, threshold: float, reps: int = 2, **options) -> dict:
+def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
+                       **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
     untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
-    mass are about that share of them, so the threshold sets the density (printed): a speed measurement at a
-    chosen density, not an accuracy one. options: further engine options (both engines)."""
+    mass are about that share of them, so the threshold sets the density (printed) with cover "group" (the issue's
+    rule); with "head" each query head picks its own near-random share and the KV head keeps their union (about
+    1 - (1 - threshold)^group). A speed measurement at a chosen density, not an accuracy one. A context at the
+    model's max_position_embeddings prefills one token fewer. options: further engine options (both engines)."""
     import time
 
+    from nanovllm.config import load_hf_config
+
+    max_model_len = min(context + 16, load_hf_config(config)["max_position_embeddings"])
+    context = min(context, max_model_len - 1)
     block_size = options.get("kvcache_block_size", 256)
-    common = dict(load_format="dummy", sparse_min_context=0, xattn_threshold=threshold, enable_prefix_caching=False,
-                  max_model_len=context + 16, max_num_seqs=1, num_gpu_blocks=-(-(context + 16) // block_size) + 2)
+    common = dict(load_format="dummy", sparse_min_context=0, xattn_threshold=threshold, xattn_cover=cover,
+                  enable_prefix_caching=False, max_model_len=max_model_len, max_num_seqs=1,
+                  num_gpu_blocks=-(-max_model_len // block_size) + 2)
     engines = {name: LLM(config, sparse_policy=name, **{**common, **options}) for name in ("full", "xattention")}
     vocab = engines["full"].config.hf_config["vocab_size"]
     prompt = random_prompts(vocab, 1, context, context)[0]
@@ -275,9 +283,9 @@ def e2e_prefill_random(config: str, context: int, threshold: float, reps: int = 
             if name == "xattention":
                 density = out.metrics.prefill_density
     dense, sparse = min(seconds["full"]), min(seconds["xattention"])
-    result = dict(context=context, threshold=threshold, density=density, dense_s=dense, xattention_s=sparse,
+    result = dict(context=context, threshold=threshold, cover=cover, density=density, dense_s=dense, xattention_s=sparse,
                   speedup=dense / sparse, runs=reps)
-    log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}): dense {dense:.2f} s, "
+    log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}, cover {cover}): dense {dense:.2f} s, "
         f"XAttention {sparse:.2f} s at density {density:.3f} -> {dense / sparse:.2f}x (best of {reps})")
     return result
 
@@ -344,6 +352,8 @@ def main() -> None:
                     help="end-to-end prefill of one random prompt of each length on --config's random weights, dense "
                          "vs XAttention at --e2e-threshold (the density follows it)")
     ap.add_argument("--e2e-threshold", type=float, default=0.2)
+    ap.add_argument("--e2e-cover", choices=("head", "group"), default="group",
+                    help="xattn_cover of the random-weight prefill (group: the threshold sets the density)")
     args = ap.parse_args()
     require_cuda()
     which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer)
@@ -361,7 +371,8 @@ def main() -> None:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
                                                   False, None, which)
     for context in args.e2e_contexts:
-        results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(args.config, context, args.e2e_threshold))
+        results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(args.config, context, args.e2e_threshold,
+                                                                                   args.e2e_cover))
         release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)

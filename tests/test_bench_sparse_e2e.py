@@ -15,6 +15,14 @@ def test_random_weights_prefill_density_follows_the_threshold(tiny_llama):
     options = dict(reps=1, device="cpu", dtype="float32", kvcache_block_size=16, xattn_block_size=16, xattn_stride=4,
                    max_num_batched_tokens=256)
     low, high = (e2e_prefill_random(str(tiny_llama), 480, threshold, **options) for threshold in (0.2, 0.8))
-    assert low["context"] == 480 and low["dense_s"] > 0 and low["xattention_s"] > 0
+    assert low["context"] == 480 and low["cover"] == "group" and low["dense_s"] > 0 and low["xattention_s"] > 0
     assert low["speedup"] == low["dense_s"] / low["xattention_s"]
     assert 0 < low["density"] < high["density"] < 1
+
+
+def test_a_context_at_the_models_limit_prefills_one_token_fewer(tiny_llama):
+    """The H200 run asks for 131072 tokens of a model whose max_position_embeddings is 131072."""
+    options = dict(reps=1, device="cpu", dtype="float32", kvcache_block_size=16, xattn_block_size=16, xattn_stride=4,
+                   max_num_batched_tokens=256)
+    result = e2e_prefill_random(str(tiny_llama), 512, 0.5, cover="head", **options)  # tiny_llama's limit: 512
+    assert result["context"] == 511 and result["cover"] == "head" and 0 < result["density"] < 1
