@@ -283,10 +283,12 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
             if name == "xattention":
                 density = out.metrics.prefill_density
     dense, sparse = min(seconds["full"]), min(seconds["xattention"])
-    result = dict(context=context, threshold=threshold, cover=cover, density=density, dense_s=dense, xattention_s=sparse,
-                  speedup=dense / sparse, runs=reps)
-    log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}, cover {cover}): dense {dense:.2f} s, "
-        f"XAttention {sparse:.2f} s at density {density:.3f} -> {dense / sparse:.2f}x (best of {reps})")
+    chunk = engines["full"].config.max_num_batched_tokens
+    result = dict(context=context, threshold=threshold, cover=cover, max_num_batched_tokens=chunk, density=density,
+                  dense_s=dense, xattention_s=sparse, speedup=dense / sparse, runs=reps)
+    log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}, cover {cover}, "
+        f"chunks of {chunk}): dense {dense:.2f} s, XAttention {sparse:.2f} s at density {density:.3f} -> "
+        f"{dense / sparse:.2f}x (best of {reps})")
     return result
 
 
@@ -354,6 +356,8 @@ def main() -> None:
     ap.add_argument("--e2e-threshold", type=float, default=0.2)
     ap.add_argument("--e2e-cover", choices=("head", "group"), default="group",
                     help="xattn_cover of the random-weight prefill (group: the threshold sets the density)")
+    ap.add_argument("--e2e-chunk", type=int, default=8192,
+                    help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
     require_cuda()
     which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer)
@@ -371,8 +375,8 @@ def main() -> None:
         results["gpu_only_decode"] = decode_cases(args.config, args.gpu_only_cases, args.budgets, args.decode_steps,
                                                   False, None, which)
     for context in args.e2e_contexts:
-        results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(args.config, context, args.e2e_threshold,
-                                                                                   args.e2e_cover))
+        results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
+            args.config, context, args.e2e_threshold, args.e2e_cover, max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)
