@@ -119,6 +119,11 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
     torch_sums_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
     sums_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
     selector.fused_granule_sums = True
+    selector.one_copy_tiles = True  # the peer: the estimate's tiles by one gather / one scaling kernel each
+    one_copy_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
+    one_copy_layer_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
+    one_copy_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
+    selector.one_copy_tiles = False
     n = selection.shape[-1]
     causal = torch.arange(n, device=selection.device)[None, :] <= torch.arange(n, device=selection.device)[:, None]
     density = float((selection & causal).sum() / (causal.sum() * KV_HEADS))
@@ -131,12 +136,15 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
                   sdpa_ms=sdpa, sdpa_backend=sdpa_name, sparse_ms=sparse_ms, estimate_ms=estimate_ms,
                   fused_estimate_ms=fused_estimate_ms, selection_agreement_with_fused_estimate=agreement,
                   torch_sums_estimate_ms=torch_sums_ms, selection_agreement_with_torch_sums=sums_agreement,
+                  one_copy_estimate_ms=one_copy_ms, one_copy_sparse_ms=one_copy_layer_ms,
+                  selection_agreement_with_one_copy=one_copy_agreement,
                   speedup_vs_fastest_dense=fastest_dense / sparse_ms, dense_tflops=flops / dense_ms / 1e9,
                   max_abs_error_vs_dense=error)
     log(f"prefill attention {context}: dense {dense_ms:.1f} ms ({result['dense_tflops']:.0f} TFLOP/s), SDPA "
         f"{sdpa_name} {sdpa:.1f} ms; XAttention {sparse_ms:.1f} ms (estimate {estimate_ms:.1f}; the Triton "
         f"estimate's {fused_estimate_ms:.1f}, selections {agreement:.4f} equal; with PyTorch's softmax and granule "
-        f"sums {torch_sums_ms:.1f}, selections {sums_agreement:.4f} equal) at density {density:.3f} -> "
+        f"sums {torch_sums_ms:.1f}, selections {sums_agreement:.4f} equal; with one-copy tiles {one_copy_ms:.1f}, "
+        f"layer {one_copy_layer_ms:.1f}, selections {one_copy_agreement:.4f} equal) at density {density:.3f} -> "
         f"{result['speedup_vs_fastest_dense']:.2f}x the fastest dense; max |diff| {error:.3f}")
     return result
 
@@ -247,15 +255,23 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     return results
 
 
+def set_one_copy_tiles(selector, one_copy: bool) -> None:
+    if not isinstance(selector, XAttentionSelector):
+        raise TypeError(f"the XAttention engine's selector is a {type(selector).__name__}")
+    selector.one_copy_tiles = one_copy
+
+
 def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
-                       **options) -> dict:
+                       one_copy_peer: bool = False, **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
     untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
     mass are about that share of them, so the threshold sets the density (printed) with cover "group" (the issue's
     rule); with "head" each query head picks its own near-random share and the KV head keeps their union (about
     1 - (1 - threshold)^group). A speed measurement at a chosen density, not an accuracy one. A context at the
-    model's max_position_embeddings prefills one token fewer. options: further engine options (both engines)."""
+    model's max_position_embeddings prefills one token fewer. one_copy_peer: the XAttention engine timed also with
+    its estimate's tiles made by one copy each (`XAttentionSelector.one_copy_tiles`). options: further engine options
+    (both engines)."""
     import time
 
     from nanovllm.config import load_hf_config
@@ -270,25 +286,34 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     vocab = engines["full"].config.hf_config["vocab_size"]
     prompt = random_prompts(vocab, 1, context, context)[0]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    seconds, density = {name: [] for name in engines}, None
+    runs = [("full", False), ("xattention", False)] + ([("xattention", True)] if one_copy_peer else [])
+    seconds, density = {(name, one_copy): [] for name, one_copy in runs}, None
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for rep in range(reps + 1):
-        for name, llm in engines.items():
-            synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        for name, one_copy in runs:
+            llm = engines[name]
+            if name == "xattention":
+                set_one_copy_tiles(llm.runner.worker.selector, one_copy)
             synchronize()
             start = time.perf_counter()
             out = llm.generate([prompt], first, use_tqdm=False)[0]
             synchronize()
             if rep:  # the first run compiles what the prompt meets
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name, one_copy].append(time.perf_counter() - start)
             if name == "xattention":
                 density = out.metrics.prefill_density
-    dense, sparse = min(seconds["full"]), min(seconds["xattention"])
+    dense, sparse = min(seconds["full", False]), min(seconds["xattention", False])
     chunk = engines["full"].config.max_num_batched_tokens
     result = dict(context=context, threshold=threshold, cover=cover, max_num_batched_tokens=chunk, density=density,
                   dense_s=dense, xattention_s=sparse, speedup=dense / sparse, runs=reps)
+    peer = ""
+    if one_copy_peer:
+        result["xattention_one_copy_s"] = one_copy = min(seconds["xattention", True])
+        result["speedup_one_copy"] = dense / one_copy
+        peer = f"; with one-copy tiles {one_copy:.2f} s -> {dense / one_copy:.2f}x"
     log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}, cover {cover}, "
         f"chunks of {chunk}): dense {dense:.2f} s, XAttention {sparse:.2f} s at density {density:.3f} -> "
-        f"{dense / sparse:.2f}x (best of {reps})")
+        f"{dense / sparse:.2f}x{peer} (best of {reps})")
     return result
 
 
@@ -356,6 +381,8 @@ def main() -> None:
     ap.add_argument("--e2e-threshold", type=float, default=0.2)
     ap.add_argument("--e2e-cover", choices=("head", "group"), default="group",
                     help="xattn_cover of the random-weight prefill (group: the threshold sets the density)")
+    ap.add_argument("--one-copy-peer", action="store_true",
+                    help="the end-to-end prefill's XAttention engine also with XAttentionSelector.one_copy_tiles")
     ap.add_argument("--e2e-chunk", type=int, default=8192,
                     help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
@@ -376,7 +403,8 @@ def main() -> None:
                                                   False, None, which)
     for context in args.e2e_contexts:
         results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
-            args.config, context, args.e2e_threshold, args.e2e_cover, max_num_batched_tokens=args.e2e_chunk))
+            args.config, context, args.e2e_threshold, args.e2e_cover, one_copy_peer=args.one_copy_peer,
+            max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)

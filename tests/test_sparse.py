@@ -319,16 +319,19 @@ def brute_force_xattention(q, keys, stride, granule, threshold, cover: str = "gr
     return keep.view(num_kv_heads, -1, *keep.shape[1:]).any(1)
 
 
+@pytest.mark.parametrize("one_copy", [False, True], ids=["flip-tiles", "one-copy-tiles"])
 @pytest.mark.parametrize("cover", ["group", "head"])
 @pytest.mark.parametrize("seq_len, n_q, granule", [(96, 96, 16), (150, 37, 32), (200, 64, 64)])
-def test_xattention_selection_equals_brute_force(seq_len, n_q, granule, cover):
-    """GQA 2:1, stride 4, a chunk whose first query is not tile-aligned (chunked prefill)."""
+def test_xattention_selection_equals_brute_force(seq_len, n_q, granule, cover, one_copy):
+    """GQA 2:1, stride 4, a chunk whose first query is not tile-aligned (chunked prefill); the estimate's tiles made
+    either way (`one_copy_tiles`)."""
     from nanovllm.layers.sparse_policies import XAttentionSelector
 
     g = torch.Generator().manual_seed(seq_len)
     keys = torch.randn(seq_len, 2, 16, generator=g) * 2
     q = torch.randn(n_q, 4, 16, generator=g) * 2
     selector = XAttentionSelector(None, None, threshold=0.8, stride=4, block_size=granule, min_context=0, cover=cover)
+    selector.one_copy_tiles = one_copy
     got = selector.sequence_selection(q, keys, kv_block=granule)
     want = brute_force_xattention(q, keys, 4, granule, 0.8, cover)
     first = (seq_len - n_q) // granule
@@ -336,6 +339,22 @@ def test_xattention_selection_equals_brute_force(seq_len, n_q, granule, cover):
     assert got.shape[1] == -(-seq_len // granule) - first
     if got.shape[2] > 4:
         assert not got.all()  # it is sparse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len, n_q", [(160, 160), (150, 37), (203, 64), (1, 1)])
+def test_one_copy_tiles_equal_the_flip_and_copy_layout(seq_len, n_q, dtype):
+    """key_tile_rows and the queries' tile rows made by one gather / one scaling kernel: the very tensors the
+    flip-and-copy path makes (keys ragged past the last tile, queries starting mid-tile and ending mid-tile)."""
+    from nanovllm.layers.sparse_policies import antidiagonal_scores, key_tile_rows
+
+    g = torch.Generator().manual_seed(seq_len + n_q)
+    keys = (torch.randn(seq_len, 2, 16, generator=g) * 2).to(dtype)
+    q = (torch.randn(n_q, 6, 16, generator=g) * 2).to(dtype)
+    old, new = (key_tile_rows(keys, 4, q, one_copy) for one_copy in (False, True))
+    assert new.shape == old.shape and new.is_contiguous() and torch.equal(new, old)
+    (old_scores, first), (new_scores, new_first) = (antidiagonal_scores(q, keys, 4, one_copy=c) for c in (False, True))
+    assert first == new_first and torch.equal(new_scores, old_scores)
 
 
 @pytest.mark.parametrize("seq_len, num_queries", [(150, 120), (160, 128)], ids=["ragged", "whole-granules"])

@@ -343,6 +343,9 @@ class XAttentionSelector(BlockSelector):
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
         self.fused_granule_sums = True
+        # the estimate's key and query tiles made by one gather / one scaling kernel each instead of a flip and
+        # layout copies (key_tile_rows, query_tile_rows): the same tensors; not yet timed on the GPU
+        self.one_copy_tiles = False
 
     def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
         """Compiles the granule-sums kernel's variant of this engine (the scores' dtype, the tiles per granule):
@@ -465,7 +468,7 @@ class XAttentionSelector(BlockSelector):
         tiles_per_granule = granule // self.stride
         step = max(granule, chunk // granule * granule)
         fused = self._fused_estimate(q, granule)
-        key_rows = None if fused is not None else key_tile_rows(keys, self.stride, q)  # one copy for every chunk
+        key_rows = None if fused is not None else key_tile_rows(keys, self.stride, q, self.one_copy_tiles)
         sums_kernel = self._granule_sums_kernel(q, granule)
         parts = []
         for lo in range(first_granule * granule, seq_len, step):
@@ -477,7 +480,7 @@ class XAttentionSelector(BlockSelector):
             queries = slice(max(lo, start) - start, hi - start)
             rows, key_granules = -(-(hi - lo) // granule), -(-hi // granule)
             scores, first_tile = antidiagonal_scores(q[queries], keys[:hi], self.stride,
-                                                     key_rows[:, : -(-hi // self.stride)])
+                                                     key_rows[:, : -(-hi // self.stride)], self.one_copy_tiles)
             lead = first_tile - lo // self.stride  # zero tiles before the first query, in its granule
             if sums_kernel is not None:
                 sums = sums_kernel(scores.flatten(0, 1), lead, rows, key_granules, tiles_per_granule)
@@ -566,35 +569,61 @@ def _work_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype if q.is_cuda else torch.float32  # half-precision matmuls on the tensor cores
 
 
-def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor) -> torch.Tensor:
+def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor, one_copy: bool = False) -> torch.Tensor:
     """keys [seq_len, Hk, D] as [Hk, key tiles, stride * D]: each tile's rows side by side in reverse order
     (the last tile padded with zero rows), in the matmul dtype of queries like q. Reversed here, once per
-    layer, so that a query tile's rows pair with them in order (its antidiagonal) without a flip per chunk."""
+    layer, so that a query tile's rows pair with them in order (its antidiagonal) without a flip per chunk.
+    one_copy: one gather of the rows in their new order and layout (then the padding zeroed) instead of a
+    flip and a copy to the new layout (the same tensor)."""
     seq_len, num_kv_heads, dim = keys.shape
     num_key_tiles = -(-seq_len // stride)
+    if one_copy:
+        order = torch.arange(num_key_tiles * stride, device=keys.device).view(num_key_tiles, stride).flip(1)
+        rows = keys.to(_work_dtype(q)).permute(1, 0, 2).index_select(1, order.flatten().clamp_(max=seq_len - 1))
+        pad = num_key_tiles * stride - seq_len  # past the end: the last tile's first `pad` rows, once reversed
+        if pad:
+            rows[:, rows.shape[1] - stride : rows.shape[1] - stride + pad].zero_()
+        return rows.view(num_kv_heads, num_key_tiles, stride * dim)
     padded = _pad_rows(keys.to(_work_dtype(q)), 0, num_key_tiles * stride - seq_len)
     return padded.view(num_key_tiles, stride, num_kv_heads, dim).flip(1).permute(2, 0, 1, 3).reshape(
         num_kv_heads, num_key_tiles, stride * dim)
 
 
-def antidiagonal_scores(q: torch.Tensor, keys: torch.Tensor, stride: int,
-                        key_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+def query_tile_rows(q: torch.Tensor, stride: int, num_kv_heads: int, lead: int, num_tiles: int) -> torch.Tensor:
+    """q [n_q, Hq, D] divided by sqrt(D) * stride, as [Hk, group * tiles, stride * D] in the matmul dtype: each
+    query tile's rows side by side, `lead` zero rows before the first query and zero rows after the last to
+    whole tiles. One kernel writes the scaled queries into that layout (on the CPU a dtype copy comes first)."""
+    n_q, num_heads, dim = q.shape
+    group = num_heads // num_kv_heads
+    rows = torch.empty(num_kv_heads, group, num_tiles * stride, dim, dtype=_work_dtype(q), device=q.device)
+    rows[:, :, :lead].zero_()
+    rows[:, :, lead + n_q :].zero_()
+    source = q.to(rows.dtype).view(n_q, num_kv_heads, group, dim).permute(1, 2, 0, 3)
+    torch.div(source, dim**0.5 * stride, out=rows[:, :, lead : lead + n_q])
+    return rows.view(num_kv_heads, group * num_tiles, stride * dim)
+
+
+def antidiagonal_scores(q: torch.Tensor, keys: torch.Tensor, stride: int, key_rows: torch.Tensor | None = None,
+                        one_copy: bool = False) -> tuple[torch.Tensor, int]:
     """Scores [Hk, group, query tiles, key tiles] of (query tile, key tile) pairs of `stride` positions
     (-inf for the causally hidden ones) and the first query tile's index. A pair's score is the sum over
     its tile's antidiagonal of q.k (query row j with key row stride-1-j), scaled like one dot product.
     key_rows: the keys' `key_tile_rows`, where the caller has them (a view of a longer sequence's is not
-    copied again)."""
+    copied again). one_copy: the queries scaled into their tile layout by one kernel (`query_tile_rows`)."""
     n_q, num_heads, dim = q.shape
     seq_len, num_kv_heads = keys.shape[:2]
     start = seq_len - n_q
     first_tile, num_key_tiles = start // stride, -(-seq_len // stride)
     num_query_tiles = num_key_tiles - first_tile
     lead = start - first_tile * stride  # zero rows before the first query, in its tile
-    queries = _pad_rows(q.to(_work_dtype(q)) / (dim**0.5 * stride), lead, num_query_tiles * stride - lead - n_q)
     group = num_heads // num_kv_heads
-    q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim)
-    q_rows = q_tiles.permute(2, 3, 0, 1, 4).reshape(num_kv_heads, group * num_query_tiles, stride * dim)
-    k_rows = key_tile_rows(keys, stride, q) if key_rows is None else key_rows
+    if one_copy:
+        q_rows = query_tile_rows(q, stride, num_kv_heads, lead, num_query_tiles)
+    else:
+        queries = _pad_rows(q.to(_work_dtype(q)) / (dim**0.5 * stride), lead, num_query_tiles * stride - lead - n_q)
+        q_tiles = queries.view(num_query_tiles, stride, num_kv_heads, group, dim)
+        q_rows = q_tiles.permute(2, 3, 0, 1, 4).reshape(num_kv_heads, group * num_query_tiles, stride * dim)
+    k_rows = key_tile_rows(keys, stride, q, one_copy) if key_rows is None else key_rows
     if k_rows.shape[1] != num_key_tiles:
         raise ValueError(f"key_rows hold {k_rows.shape[1]} tiles; the keys make {num_key_tiles}")
     scores = torch.bmm(q_rows, k_rows.transpose(1, 2)).view(num_kv_heads, group, num_query_tiles, num_key_tiles)
