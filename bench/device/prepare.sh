@@ -21,7 +21,7 @@ samples() {
   python -m nanovllm.eval.ruler --model ~/.cache/nanovllm/smollm2-135m --lengths 4096 8192 --tasks all --samples 50 \
     --save-samples .models/smol_ruler_4k8k.json.gz
   python -m nanovllm.eval.ruler --model ~/.cache/nanovllm/qwen2.5-coder-0.5b --lengths 16384 32768 --tasks $NIAH \
-    --samples 10 --save-samples .models/qwen_ruler_16k32k.json.gz
+    --samples 25 --save-samples .models/qwen_ruler_16k32k.json.gz
 }
 
 wheels() {  # the versions this venv has, for the device's Python 3.12

@@ -7,23 +7,27 @@
 #   count per task.
 # Needs /tmp/smol and /tmp/qwen (on_device.sh's `assemble`) and the samples files in /tmp/m (`keep`).
 # Usage (repo root there): bash bench/device/sparse_table.sh OUT_DIR [smol] [qwen]   (default: both)
+# Variants of the defaults: POLICIES (a subset), EXTRA (more engine options for every run) and TAG (added to the
+# runs' names), e.g. POLICIES=quest EXTRA="--quest-rerank 4" TAG=_rr4 bash bench/device/sparse_table.sh OUT qwen
 set -euo pipefail
 source "$(dirname "$0")/on_device.sh"
 out=$1; shift
-POLICIES="full xattention quest xattention+quest"
+POLICIES=${POLICIES:-"full xattention quest xattention+quest"}
+EXTRA=${EXTRA:-}
+TAG=${TAG:-}
 NIAH="niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3 niah_multivalue niah_multiquery"
 for model in "${@:-smol qwen}"; do for m in $model; do
   for policy in $POLICIES; do
-    name=${policy/+/_}
+    name=${policy/+/_}$TAG
     case $m in
       smol) for length in 4096 8192; do
               ruler_bg "smol_${name}_$length" "$out" --model /tmp/smol --samples-file /tmp/m/smol_ruler_4k8k.json.gz \
                 --lengths $length --tasks all --samples 50 --dtype bfloat16 --sparse-min-context 0 \
-                --num-gpu-blocks 1000 --policies "$policy"
+                --num-gpu-blocks 1000 --policies "$policy" $EXTRA
             done ;;
       qwen) ruler_bg "qwen_$name" "$out" --model /tmp/qwen --samples-file /tmp/m/qwen_ruler_16k32k.json.gz \
               --lengths 16384 32768 --tasks $NIAH --samples 1000 --enable-cpu-offload --num-gpu-blocks 16 \
-              --policies "$policy" ;;
+              --policies "$policy" $EXTRA ;;
       *) echo "unknown model $m (smol, qwen)" >&2; exit 1 ;;
     esac
   done
