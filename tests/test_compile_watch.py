@@ -75,13 +75,16 @@ def test_no_compilation_on_the_request_path(tiny_llama, policy):
     assert [e.signature for e in WATCH.request_path_events()[seen:]] == []
 
 
-def test_start_up_mixed_step_leaves_the_engine_as_it_was(tiny_llama):
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_start_up_mixed_step_leaves_the_engine_as_it_was(tiny_llama, offload):
     """compile_step_variants (run at start-up on CUDA) on a CPU engine: same greedy and seeded outputs after it,
-    and the unseeded sampling stream is not consumed."""
+    and the unseeded sampling stream is not consumed. Offload: a device pool of 8 blocks (128 keys) under the
+    start-up rows of up to 511 keys."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.warm_up import compile_step_variants
 
-    options = dict(device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=64)
+    options = dict(device="cpu", kvcache_block_size=16, num_gpu_blocks=8 if offload else 64, max_num_batched_tokens=64,
+                   enable_cpu_offload=offload)
     prompts = [[5, 6, 7, 8] * 10, [9, 10, 11]]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)]
@@ -124,19 +127,43 @@ def test_start_up_steps_of_a_sparse_policy_take_the_per_head_variants(tiny_llama
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
 
-@pytest.mark.parametrize("block_size, head_dim, num_kv_heads, max_len", [(16, 16, 2, 512), (256, 128, 8, 131072)])
-def test_start_up_mixed_steps_meet_both_decode_variants(block_size, head_dim, num_kv_heads, max_len):
-    """The decode kernel over a mixed step's rows writes directly with one split and merges several: one
-    start-up step must give each (the tiny test model's shapes and the Llama-3.1-8B shape on an H200)."""
+def split_variant(splits: int) -> str:
+    """The decode kernel's variant for a split count: written directly (one), or merged by the merge kernel
+    padded to 16 or to 64 splits (triton_paged_attention.paged_decode_attention)."""
+    return "direct" if splits == 1 else "merge16" if splits <= 16 else "merge64"
+
+
+@pytest.mark.parametrize("block_size, head_dim, num_kv_heads, max_len",
+                         [(16, 16, 2, 512), (256, 128, 8, 131072), (256, 64, 2, 32768), (256, 64, 3, 8192)],
+                         ids=["tiny", "llama-8b", "qwen-0.5b", "smollm2"])
+def test_start_up_steps_meet_every_decode_variant_a_step_can_take(block_size, head_dim, num_kv_heads, max_len):
+    """Every split variant a decode step of up to max_len keys can take (one split written directly; several
+    merged, padded to 16 or 64) is taken by a start-up step, mixed or pure decode (the H200's 132 SMs). Before
+    the lone longer row, rows of more than 4,096 keys merged through a variant compiled on the request path
+    (RULER at 8K on SmolLM2: 253 ms, twenty-third session)."""
     tpa = pytest.importorskip("nanovllm.kernels.triton_paged_attention")
-    from nanovllm.engine.warm_up import mixed_step_layouts
+    from nanovllm.engine.warm_up import decode_step_layouts, mixed_step_layouts
 
     block_n = tpa.decode_tile_size(torch.bfloat16, head_dim, block_size)
-    splits = set()
-    for query_lens, seq_lens in mixed_step_layouts(max_len, 4096 * 16):
-        decode = [s for q, s in zip(query_lens, seq_lens) if q == 1]
-        splits.add(tpa.decode_num_splits(len(decode), num_kv_heads, max(decode), block_n, num_sms=132) == 1)
-    assert splits == {True, False}
+
+    def variant(rows: int, longest: int) -> str:
+        return split_variant(tpa.decode_num_splits(rows, num_kv_heads, longest, block_n, num_sms=132))
+
+    reachable = {variant(rows, n) for rows in (1, 2, 3, 8, 64, 256)
+                 for n in (1, 16, 100, 1000, 4096, 5000, 8192, 20000, 100000) if n < max_len}
+    for layouts in (mixed_step_layouts(max_len), decode_step_layouts(max_len)):
+        covered = set()
+        for query_lens, seq_lens in layouts:
+            decode = [s for q, s in zip(query_lens, seq_lens) if q == 1]
+            covered.add(variant(len(decode), max(decode)))
+        assert reachable <= covered
+
+
+def test_start_up_rows_longer_than_the_pool_read_its_blocks_again():
+    from nanovllm.engine.warm_up import warm_up_table
+
+    assert warm_up_table(8192, 256, 16) == [b % 16 for b in range(32)]
+    assert warm_up_table(100, 16, 64) == list(range(7))
 
 
 

@@ -4,7 +4,8 @@ The decode graphs compile what pure decode steps run when they are captured, and
 that sizes the KV pool compiles a whole-prompt prefill. What is left is what a mixed step (a prefill
 chunk beside decoding rows, outside the graphs) and temperature sampling run: the decode kernel over
 chosen rows with one split (a mixed step whose decode rows are all short) and with several, the merge
-of the splits, and the one-pass sampler; under a sparse policy also the per-KV-head variants of prefill
+of the splits (padded to 16 splits, and to 64 for rows of more than 4,096 keys: a RULER run at 8K
+compiled that one on the request path), and the one-pass sampler; under a sparse policy also the per-KV-head variants of prefill
 and decode that its selections take. Measured on the H200 (kernels/compile_watch.py) before these
 steps: the first batch of 32 requests waited 0.75 s for two of those to compile, and XAttention's first
 sparse prefill 1.6 s for one. Then prefill forwards at a ladder of token counts: with CUDA's lazy module
@@ -12,7 +13,9 @@ loading (torch's default) the first forward of a new token count loads the GEMM 
 (a first 1K prompt waited 7-21 ms for them, nothing compiled; docs/BENCHMARKS.md). Last, greedy and
 temperature sampling of a single row and of several: the first greedy token of a fresh engine waited
 8 ms for the argmax kernel to load (torch.profiler, H200). An offload engine also runs its split attention
-(float32 partial results, a history pass merged in), whose kernel variants the device-only steps do not meet.
+(float32 partial results, a history pass merged in), whose kernel variants the device-only steps do not meet,
+and the pure decode steps outside the graphs that its steps over host blocks are; its start-up rows may be
+longer than its device pool, whose blocks they then read again.
 """
 from __future__ import annotations
 
@@ -27,32 +30,42 @@ from nanovllm.layers.sampler import sample_on_device
 from nanovllm.sampling_params import SamplingParams
 
 PREFILL_ROWS = 32
-LONG_ROW = 4096  # keys of the long decode row: 64 KV tiles, several decode splits
+LONG_ROW = 4096  # keys of the long decode row: 64 KV tiles, several decode splits (up to 16)
+LONGER_ROW = 8192  # keys of a lone longer decode row: more than 16 splits, the merge's wider variant
 SHORT_ROW = 16  # keys of a short decode row: one tile, so one split when it is the longest
 LADDER_START = 64  # the smallest token count of the start-up prefill ladder (decode graphs cover fewer)
 
 
-def mixed_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[int], list[int]]]:
+def mixed_step_layouts(max_model_len: int) -> list[tuple[list[int], list[int]]]:
     """(query_lens, seq_lens) of the start-up mixed steps: a prefill chunk beside decode rows whose longest
-    is long (the decode kernel over chosen rows in several splits, and their merge) and beside a short one
-    only (one split: the kernel writes its result directly, another variant)."""
-    long_row, short = _decode_row_lengths(max_model_len, pool_tokens)
+    is long (the decode kernel over chosen rows in several splits, and their merge), beside a short one
+    only (one split: the kernel writes its result directly, another variant), and, where sequences can be
+    longer, beside a lone longer row (more than 16 splits: the merge's wider variant)."""
+    long_row, longer, short = _decode_row_lengths(max_model_len)
     prefill = min(PREFILL_ROWS, long_row)
-    return [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
+    layouts = [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
+    return layouts + ([([prefill, 1], [prefill, longer])] if longer > long_row else [])
 
 
-def decode_step_layouts(max_model_len: int, pool_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(query_lens, seq_lens) of start-up pure decode steps, for an engine without decode graphs (whose capture
-    compiles them otherwise): one short row (one split, written directly) and a short beside a long one
-    (several splits, merged)."""
-    long_row, short = _decode_row_lengths(max_model_len, pool_tokens)
-    return [([1], [short]), ([1, 1], [short, long_row])]
+def decode_step_layouts(max_model_len: int) -> list[tuple[list[int], list[int]]]:
+    """(query_lens, seq_lens) of start-up pure decode steps, for the steps no decode graph runs (an engine
+    without graphs, an offload engine's steps over host blocks): one short row (one split, written directly),
+    a short beside a long one (several splits, merged) and a lone longer one (more than 16 splits)."""
+    long_row, longer, short = _decode_row_lengths(max_model_len)
+    return [([1], [short]), ([1, 1], [short, long_row])] + ([([1], [longer])] if longer > long_row else [])
 
 
-def _decode_row_lengths(max_model_len: int, pool_tokens: int) -> tuple[int, int]:
-    """Keys of the long and of the short decode row of the start-up steps."""
-    long_row = min(max_model_len - 1, pool_tokens, LONG_ROW)
-    return long_row, min(SHORT_ROW, long_row)
+def _decode_row_lengths(max_model_len: int) -> tuple[int, int, int]:
+    """Keys of the long, the longer and the short decode row of the start-up steps (a row longer than the
+    pool reads its blocks again: `warm_up_table`)."""
+    long_row = min(max_model_len - 1, LONG_ROW)
+    return long_row, min(max_model_len - 1, LONGER_ROW), min(SHORT_ROW, long_row)
+
+
+def warm_up_table(num_tokens: int, block_size: int, num_blocks: int) -> list[int]:
+    """The block table of a start-up row: the pool's first blocks, from the first again past the pool's end
+    (an offload engine's device pool may hold fewer keys than its rows; the values read do not matter)."""
+    return [b % num_blocks for b in range(-(-num_tokens // block_size))]
 
 
 def prefill_ladder(max_batched_tokens: int, max_model_len: int, pool_tokens: int) -> list[int]:
@@ -67,7 +80,7 @@ def compile_step_variants(worker) -> None:
     """The start-up mixed steps (and pure decode steps when no decode graphs were captured), the prefill ladder,
     through the model, and sampled tokens. They write KV into the first blocks of the pool: at start-up no
     request holds them."""
-    layouts = mixed_step_layouts(worker.config.max_model_len, worker.num_blocks * worker.block_size)
+    layouts = mixed_step_layouts(worker.config.max_model_len)
     for query_lens, seq_lens in layouts:
         logits = _mixed_step(worker, query_lens, seq_lens)
     if not worker.selector.dense:  # a sparse policy's steps attend over per-KV-head tables: other variants
@@ -75,9 +88,10 @@ def compile_step_variants(worker) -> None:
             _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
         worker.selector.warm_up(worker.kv_cache.layer(0)[0].shape[2], worker.device)
     config = worker.config
-    if worker.graphs is None:  # enforce_eager: nothing captured the pure decode steps' kernels
+    # enforce_eager: nothing captured the pure decode steps' kernels; offload: steps over host blocks run eagerly
+    if worker.graphs is None or worker.host_pool is not None:
         selectors = [None] if worker.selector.dense else [None, EveryBlockPerHead()]
-        for query_lens, seq_lens in decode_step_layouts(config.max_model_len, worker.num_blocks * worker.block_size):
+        for query_lens, seq_lens in decode_step_layouts(config.max_model_len):
             for selector in selectors:
                 _mixed_step(worker, query_lens, seq_lens, selector)
     for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
@@ -115,7 +129,7 @@ def _split_attention(worker, query_lens: list[int], seq_lens: list[int], per_hea
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     mc = worker.model.config
     num_heads = num_kv_heads * (mc.num_heads // mc.num_kv_heads)  # this rank's heads under tensor parallelism
-    table = list(range(-(-max(seq_lens) // block_size)))
+    table = warm_up_table(max(seq_lens), block_size, worker.num_blocks)
     if per_head:
         tables = torch.tensor([table] * len(seq_lens), device=worker.device)[:, None, :].expand(-1, num_kv_heads, -1)
         lengths = torch.tensor(seq_lens, device=worker.device)[:, None].expand(-1, num_kv_heads)
@@ -152,7 +166,7 @@ def _mixed_step(worker, query_lens: list[int], seq_lens: list[int],
                 selector: BlockSelector | None = None) -> torch.Tensor:
     """One forward of these rows over the pool's first blocks; the logits of each row's last token."""
     block_size = worker.block_size
-    table = list(range(-(-max(seq_lens) // block_size)))
+    table = warm_up_table(max(seq_lens), block_size, worker.num_blocks)
     positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
     slots = [table[p // block_size] * block_size + p % block_size for p in positions]
     tables = [table] * len(query_lens)
