@@ -127,6 +127,45 @@ def test_start_up_steps_of_a_sparse_policy_take_the_per_head_variants(tiny_llama
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
 
+@pytest.mark.parametrize("policy", ["xattention", "quest", "xattention+quest"])
+def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(tiny_llama, policy):
+    """The start-up mixed steps go through the engine's own selector with every row selecting (the default
+    sparse_min_context of 8,192 set aside for them), so its kernels (XAttention's estimate, Quest's scores, top
+    and rerank) compile at start-up; the minimum is back afterwards and the outputs are unchanged."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.warm_up import compile_step_variants
+    from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
+
+    options = dict(device="cpu", kvcache_block_size=32, num_gpu_blocks=32, max_num_batched_tokens=64,
+                   sparse_policy=policy, xattn_block_size=16, xattn_stride=4, quest_token_budget=32,
+                   quest_dense_layers=0)  # 16-token pages
+    prompt, params = [[5, 6, 7, 8] * 10], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(tiny_llama), **options).generate(prompt, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **options)
+    selector = llm.runner.worker.selector
+    parts = [getattr(selector, "prefill", selector), getattr(selector, "decode", selector)]
+    calls = {"estimate": 0, "rerank": 0}
+
+    def counting(part, method, key):
+        original = getattr(part, method)
+
+        def wrapped(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        setattr(part, method, wrapped)
+
+    for part in set(parts):
+        if isinstance(part, XAttentionSelector):
+            counting(part, "sequence_selection", "estimate")
+        if isinstance(part, QuestSelector):
+            counting(part, "candidate_scores", "rerank")
+    compile_step_variants(llm.runner.worker)
+    assert calls["estimate"] > 0 if "xattention" in policy else calls["estimate"] == 0
+    assert calls["rerank"] > 0 if "quest" in policy else calls["rerank"] == 0
+    assert all(part.min_context == 8192 for part in parts)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
+
+
 def split_variant(splits: int) -> str:
     """The decode kernel's variant for a split count: written directly (one), or merged by the merge kernel
     padded to 16 or to 64 splits (triton_paged_attention.paged_decode_attention)."""

@@ -86,6 +86,9 @@ def compile_step_variants(worker) -> None:
     if not worker.selector.dense:  # a sparse policy's steps attend over per-KV-head tables: other variants
         for query_lens, seq_lens in layouts:
             _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
+        with worker.selector.selecting_at_any_length():  # and its own kernels (scores, top, rerank, estimate)
+            for query_lens, seq_lens in layouts:
+                _mixed_step(worker, query_lens, seq_lens, worker.selector)
         worker.selector.warm_up(worker.kv_cache.layer(0)[0].shape[2], worker.device)
     config = worker.config
     # enforce_eager: nothing captured the pure decode steps' kernels; offload: steps over host blocks run eagerly

@@ -11,6 +11,9 @@ them, and the causal mask stays right when the rest is dropped.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -189,6 +192,12 @@ class BlockSelector(ABC):
     def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
         """Compiles at start-up the kernel variants the selector's own kernels would otherwise compile on a
         request's first step (the engine's warm-up runs the attention variants)."""
+
+    @contextlib.contextmanager
+    def selecting_at_any_length(self) -> Iterator[None]:
+        """For the engine's start-up steps through this selector: rows shorter than the policy's minimum
+        context select too, so that its own kernels run on the short start-up rows."""
+        yield
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         """True when a decode step of sequences with these KV lengths is known on the host to attend to

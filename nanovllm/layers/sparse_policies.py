@@ -26,6 +26,7 @@ Steps in which no row can drop a block (`dense_for_step`: every sequence below m
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,6 +91,9 @@ class QuestSelector(BlockSelector):
             masks.append(keep)
             sparse = True
         return masks if sparse else None
+
+    def selecting_at_any_length(self):
+        return _min_context_zero(self)
 
     def sparse_rows(self, block_size: int, seq_lens: list[int]) -> list[bool]:
         """Which decode rows drop blocks (pages): long enough, and with more of them between the sink and
@@ -356,6 +360,9 @@ class XAttentionSelector(BlockSelector):
         if sums is not None:
             tiles = granule // self.stride
             sums(torch.zeros(1, tiles, tiles, dtype=_work_dtype(q), device=device), 0, 1, 1, tiles)
+
+    def selecting_at_any_length(self):
+        return _min_context_zero(self)
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
         return True  # a prefill policy: decode rows attend to every block
@@ -677,6 +684,11 @@ class PrefillDecodeSelector(BlockSelector):
         self.prefill.warm_up(num_kv_heads, device)
         self.decode.warm_up(num_kv_heads, device)
 
+    @contextlib.contextmanager
+    def selecting_at_any_length(self):
+        with self.prefill.selecting_at_any_length(), self.decode.selecting_at_any_length():
+            yield
+
     def select(self, layer, q, num_kv_heads, batch) -> Selection | None:
         by_prefill = self.prefill.select(layer, q, num_kv_heads, batch)
         by_decode = self.decode.select(layer, q, num_kv_heads, batch)
@@ -685,6 +697,16 @@ class PrefillDecodeSelector(BlockSelector):
         whole = [None] * len(batch.seq_lens)
         by_prefill, by_decode = by_prefill or whole, by_decode or whole
         return [d if n == 1 else p for p, d, n in zip(by_prefill, by_decode, batch.query_lens)]
+
+
+@contextlib.contextmanager
+def _min_context_zero(selector):
+    """selector.min_context at 0 for the block (BlockSelector.selecting_at_any_length)."""
+    saved, selector.min_context = selector.min_context, 0
+    try:
+        yield
+    finally:
+        selector.min_context = saved
 
 
 def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=None) -> BlockSelector:
