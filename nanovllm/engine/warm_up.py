@@ -5,8 +5,9 @@ that sizes the KV pool compiles a whole-prompt prefill. What is left is what a m
 chunk beside decoding rows, outside the graphs) and temperature sampling run: the decode kernel over
 chosen rows with one split (a mixed step whose decode rows are all short) and with several, the merge
 of the splits (padded to 16 splits, and to 64 for rows of more than 4,096 keys: a RULER run at 8K
-compiled that one on the request path), and the one-pass sampler; under a sparse policy also the per-KV-head variants of prefill
-and decode that its selections take. Measured on the H200 (kernels/compile_watch.py) before these
+compiled that one on the request path), and the one-pass sampler; under a sparse policy also the
+per-KV-head variants of prefill and decode that its selections take, and the policy's own kernels (its
+minimum context set aside for the start-up rows). Measured on the H200 (kernels/compile_watch.py) before these
 steps: the first batch of 32 requests waited 0.75 s for two of those to compile, and XAttention's first
 sparse prefill 1.6 s for one. Then prefill forwards at a ladder of token counts: with CUDA's lazy module
 loading (torch's default) the first forward of a new token count loads the GEMM kernels picked for it
@@ -77,7 +78,7 @@ def prefill_ladder(max_batched_tokens: int, max_model_len: int, pool_tokens: int
 
 @torch.inference_mode()
 def compile_step_variants(worker) -> None:
-    """The start-up mixed steps (and pure decode steps when no decode graphs were captured), the prefill ladder,
+    """The start-up mixed steps (and pure decode steps where no decode graph runs them), the prefill ladder,
     through the model, and sampled tokens. They write KV into the first blocks of the pool: at start-up no
     request holds them."""
     layouts = mixed_step_layouts(worker.config.max_model_len)

@@ -12,9 +12,8 @@ them, and the causal mask stays right when the rest is dropped.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING

@@ -27,6 +27,7 @@ Steps in which no row can drop a block (`dense_for_step`: every sequence below m
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,7 +93,7 @@ class QuestSelector(BlockSelector):
             sparse = True
         return masks if sparse else None
 
-    def selecting_at_any_length(self):
+    def selecting_at_any_length(self) -> contextlib.AbstractContextManager[None]:
         return _min_context_zero(self)
 
     def sparse_rows(self, block_size: int, seq_lens: list[int]) -> list[bool]:
@@ -361,7 +362,7 @@ class XAttentionSelector(BlockSelector):
             tiles = granule // self.stride
             sums(torch.zeros(1, tiles, tiles, dtype=_work_dtype(q), device=device), 0, 1, 1, tiles)
 
-    def selecting_at_any_length(self):
+    def selecting_at_any_length(self) -> contextlib.AbstractContextManager[None]:
         return _min_context_zero(self)
 
     def dense_for_decode(self, block_size: int, seq_lens: list[int]) -> bool:
@@ -685,7 +686,7 @@ class PrefillDecodeSelector(BlockSelector):
         self.decode.warm_up(num_kv_heads, device)
 
     @contextlib.contextmanager
-    def selecting_at_any_length(self):
+    def selecting_at_any_length(self) -> Iterator[None]:
         with self.prefill.selecting_at_any_length(), self.decode.selecting_at_any_length():
             yield
 
@@ -700,7 +701,7 @@ class PrefillDecodeSelector(BlockSelector):
 
 
 @contextlib.contextmanager
-def _min_context_zero(selector):
+def _min_context_zero(selector: QuestSelector | XAttentionSelector) -> Iterator[None]:
     """selector.min_context at 0 for the block (BlockSelector.selecting_at_any_length)."""
     saved, selector.min_context = selector.min_context, 0
     try:
