@@ -8,12 +8,12 @@ import pytest
 from nanovllm.eval.ruler.sparse import main, sparse_table
 
 
-def result(scores: dict[str, float], prefill: float = 1.0) -> dict:
-    tasks = {t: {4096: {"score": s, "passed": int(s >= 50), "total": 1}} for t, s in scores.items()}
+def result(scores: dict[str, float], prefill: float = 1.0, length=4096) -> dict:
+    tasks = {t: {length: {"score": s, "passed": int(s >= 50), "total": 1}} for t, s in scores.items()}
     mean = sum(scores.values()) / len(scores)
-    return {"summary": {"tasks": tasks, "lengths": {4096: {"score": mean, "passed": sum(s >= 50 for s in scores.values()),
-                                                           "total": len(scores)}}},
-            "attention": {"4096": {"prefill_density": prefill, "decode_density": 1.0, "host_kv_gb": 0.0}}}
+    return {"summary": {"tasks": tasks, "lengths": {length: {"score": mean, "passed": sum(s >= 50 for s in scores.values()),
+                                                             "total": len(scores)}}},
+            "attention": {str(length): {"prefill_density": prefill, "decode_density": 1.0, "host_kv_gb": 0.0}}}
 
 
 def test_table_shows_each_policy_against_full_and_its_worst_tasks():
@@ -22,6 +22,29 @@ def test_table_shows_each_policy_against_full_and_its_worst_tasks():
     assert "| full | 4096 | 50.00 (2/3) |  |" in table
     assert "| xattention | 4096 | 33.33 (1/3) | -16.67 | 0.300 |" in table
     assert "- xattention: vt 4096 -60.0, qa_1 4096 +0.0, cwe 4096 +10.0" in table
+
+
+def test_runs_made_apart_combine_into_one_table(tmp_path, capsys):
+    """bench/device/sparse_table.sh runs a process per policy and length; --combine makes the issue's one table
+    from their sparse.json files (as JSON gives them back: lengths as strings), full first, lengths in order."""
+    runs = {"quest_8k": {"quest": result({"vt": 0.0, "cwe": 50.0}, length="8192")},
+            "full_8k": {"full": result({"vt": 100.0, "cwe": 50.0}, length="8192")},
+            "full_4k": {"full": result({"vt": 100.0, "cwe": 100.0}, length="4096")},
+            "quest_4k": {"quest": result({"vt": 100.0, "cwe": 50.0}, length="4096")}}
+    files = []
+    for name, run in runs.items():
+        (tmp_path / name).mkdir()
+        files.append(tmp_path / name / "sparse.json")
+        files[-1].write_text(json.dumps(run))
+    main(["--combine", *map(str, files), "--output", str(tmp_path / "all")])
+    table = capsys.readouterr().out
+    rows = [line.split(" | ")[:2] for line in table.splitlines() if line.startswith("| ") and "policy" not in line]
+    assert rows == [["| full", "4096"], ["| full", "8192"], ["| quest", "4096"], ["| quest", "8192"]]
+    assert "| quest | 4096 | 75.00 (2/2) | -25.00 |" in table and "| quest | 8192 | 25.00 (1/2) | -50.00 |" in table
+    assert "- quest: vt 8192 -100.0, cwe 4096 -50.0, cwe 8192 +0.0" in table
+    assert (tmp_path / "all" / "sparse.md").read_text() == table
+    with pytest.raises(ValueError, match="quest at length 4096 is in two of the runs"):
+        main(["--combine", str(files[3]), str(files[3])])
 
 
 def test_options_the_comparison_does_not_take_are_refused(tmp_path, capsys):

@@ -7,7 +7,8 @@
 #   ruler_bg NAME DIR ARGS...    python -m nanovllm.eval.ruler.sparse ARGS --output DIR/NAME, in the background
 #                                (survives the call), log DIR/NAME.log
 #   wait_runs SECONDS            wait until no background RULER run is left, at most SECONDS
-#   tables DIR                   each run's table, failures, and DIR's tables and logs as $OUT/tables_<dir>.tgz
+#   tables DIR                   each run's table, each model's runs as one table (ruler.sparse --combine),
+#                                failures, and DIR's tables and logs as $OUT/tables_<dir>.tgz
 #                                (at most 8 files come back from $OUT: bundle, do not copy logs one by one)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 
@@ -43,8 +44,13 @@ wait_runs() {
 }
 
 tables() {
-  local dir=$1
+  local dir=$1 model
   for f in "$dir"/*/sparse.md; do echo "== $f"; sed -n 3,6p "$f"; done
+  for model in smol qwen; do  # sparse_table.sh's runs of one model as one table
+    ls "$dir"/${model}_*/sparse.json > /dev/null 2>&1 || continue
+    echo "== $model, combined"
+    python3 -m nanovllm.eval.ruler.sparse --combine "$dir"/${model}_*/sparse.json --output "$dir/${model}_combined"
+  done
   grep -l "Traceback" "$dir"/*.log 2>/dev/null | while read -r f; do echo "== FAILED $f"; tail -5 "$f"; done
   (cd "$dir" && tar czf "$OUT/tables_$(basename "$dir").tgz" */sparse.md */sparse.json ./*.log 2>/dev/null) || true
 }

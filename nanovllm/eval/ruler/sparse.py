@@ -8,13 +8,17 @@ loses most against full.
         [--output DIR] [any engine option: --enable-cpu-offload --num-gpu-blocks 16 --sparse-min-context 0 ...]
 
 Each policy runs in turn in this process (`run_ruler`, one engine at a time); its own RULER report goes
-to OUTPUT/<policy>/, the table to OUTPUT/sparse.md and OUTPUT/sparse.json.
+to OUTPUT/<policy>/, the table to OUTPUT/sparse.md and OUTPUT/sparse.json. Runs made apart (a process per
+policy or length, as bench/device/sparse_table.sh runs them) make one table again:
+
+    python -m nanovllm.eval.ruler.sparse --combine RUN/sparse.json ... [--output DIR]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import sys
 from pathlib import Path
 
 from nanovllm.engine_args import engine_options, run_command
@@ -49,6 +53,43 @@ def sparse_table(results: dict[str, dict], reference: str = "full", worst: int =
             drops.sort()
             lines.append(f"- {policy}: " + ", ".join(f"{task} {length} {d:+.1f}" for d, task, length in drops[:worst]))
     return "\n".join(lines)
+
+
+def merge_results(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """One {policy: result} from several (sparse.json files of runs made apart, each of some policies and
+    lengths): per policy its lengths' summaries, task cells and attention figures together, "full" first;
+    the overall score is left out (it would mix lengths of other runs). A (policy, length) given twice is
+    refused."""
+    merged: dict[str, dict] = {}
+    for part in parts:
+        for policy, result in part.items():
+            into = merged.setdefault(policy, {"summary": {"tasks": {}, "lengths": {}}, "attention": {}})
+            for length, cell in result["summary"]["lengths"].items():
+                if length in into["summary"]["lengths"]:
+                    raise ValueError(f"{policy} at length {length} is in two of the runs")
+                into["summary"]["lengths"][length] = cell
+                into["attention"][length] = result["attention"].get(length, {})
+            for task, by_length in result["summary"]["tasks"].items():
+                into["summary"]["tasks"].setdefault(task, {}).update(by_length)
+    by_length = lambda cells: dict(sorted(cells.items(), key=lambda item: int(item[0])))  # noqa: E731
+    for result in merged.values():  # lengths in order, whichever run brought them
+        result["attention"] = by_length(result["attention"])
+        result["summary"]["lengths"] = by_length(result["summary"]["lengths"])
+    return dict(sorted(merged.items(), key=lambda item: POLICIES.index(item[0])))
+
+
+def combine(files: list[str], output: str | None) -> str:
+    """The table of runs made apart (merge_results), printed and, with output, written there as sparse.md
+    and sparse.json."""
+    results = merge_results([json.loads(Path(f).read_text()) for f in files])
+    table = sparse_table(results)
+    if output:
+        out = Path(output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sparse.md").write_text(table + "\n")
+        (out / "sparse.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(table)
+    return table
 
 
 def run_policies(args: argparse.Namespace) -> dict[str, dict]:
@@ -99,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--combine"]:
+        parser = argparse.ArgumentParser(prog="python -m nanovllm.eval.ruler.sparse --combine",
+                                         description="one table from the sparse.json files of runs made apart")
+        parser.add_argument("files", nargs="+")
+        parser.add_argument("--output", help="a directory for the combined sparse.md and sparse.json")
+        args = parser.parse_args(argv[1:])
+        combine(args.files, args.output)
+        return
     run_command(run_policies, build_parser().parse_args(argv))
 
 
