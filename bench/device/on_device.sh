@@ -47,9 +47,10 @@ tables() {
   local dir=$1 model
   for f in "$dir"/*/sparse.md; do echo "== $f"; sed -n 3,6p "$f"; done
   for model in smol qwen; do  # sparse_table.sh's runs of one model as one table
-    ls "$dir"/${model}_*/sparse.json > /dev/null 2>&1 || continue
+    local runs=$(ls "$dir"/${model}_*/sparse.json 2>/dev/null | grep -v "_combined/")
+    [ -n "$runs" ] || continue
     echo "== $model, combined"
-    python3 -m nanovllm.eval.ruler.sparse --combine "$dir"/${model}_*/sparse.json --output "$dir/${model}_combined"
+    python3 -m nanovllm.eval.ruler.sparse --combine $runs --output "$dir/${model}_combined"
   done
   grep -l "Traceback" "$dir"/*.log 2>/dev/null | while read -r f; do echo "== FAILED $f"; tail -5 "$f"; done
   (cd "$dir" && tar czf "$OUT/tables_$(basename "$dir").tgz" */sparse.md */sparse.json ./*.log 2>/dev/null) || true
