@@ -127,16 +127,19 @@ def test_start_up_steps_of_a_sparse_policy_take_the_per_head_variants(tiny_llama
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
 @pytest.mark.parametrize("policy", ["xattention", "quest", "xattention+quest"])
-def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(tiny_llama, policy):
+def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(tiny_llama, policy, offload):
     """The start-up mixed steps go through the engine's own selector with every row selecting (the default
     sparse_min_context of 8,192 set aside for them), so its kernels (XAttention's estimate, Quest's scores, top
-    and rerank) compile at start-up; the minimum is back afterwards and the outputs are unchanged."""
+    and rerank) compile at start-up; the minimum is back afterwards and the outputs are unchanged (offload: a
+    device pool of 8 blocks under start-up rows of up to 511 keys)."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.warm_up import compile_step_variants
     from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
 
-    options = dict(device="cpu", kvcache_block_size=32, num_gpu_blocks=32, max_num_batched_tokens=64,
+    options = dict(device="cpu", kvcache_block_size=32, num_gpu_blocks=8 if offload else 32, max_num_batched_tokens=64,
+                   enable_cpu_offload=offload,
                    sparse_policy=policy, xattn_block_size=16, xattn_stride=4, quest_token_budget=32,
                    quest_dense_layers=0)  # 16-token pages
     prompt, params = [[5, 6, 7, 8] * 10], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
