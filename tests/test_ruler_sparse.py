@@ -10,9 +10,8 @@ from nanovllm.eval.ruler.sparse import main, sparse_table
 
 def result(scores: dict[str, float], prefill: float = 1.0, length=4096) -> dict:
     tasks = {t: {length: {"score": s, "passed": int(s >= 50), "total": 1}} for t, s in scores.items()}
-    mean = sum(scores.values()) / len(scores)
-    return {"summary": {"tasks": tasks, "lengths": {length: {"score": mean, "passed": sum(s >= 50 for s in scores.values()),
-                                                             "total": len(scores)}}},
+    mean, passed = sum(scores.values()) / len(scores), sum(s >= 50 for s in scores.values())
+    return {"summary": {"tasks": tasks, "lengths": {length: {"score": mean, "passed": passed, "total": len(scores)}}},
             "attention": {str(length): {"prefill_density": prefill, "decode_density": 1.0, "host_kv_gb": 0.0}}}
 
 
