@@ -973,7 +973,8 @@ def test_quest_rerank_selection_equals_brute_force(seed, offload):
     step, budget, base, rerank = PageStep(seed, offload), 5, 1000, 2
     step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))
     selector = QuestSelector(step.bounds, token_budget=16 * budget, dense_layers=0, min_context=0, page_select=True,
-                             rerank=rerank, device_keys=step.cache.data[0], host_keys=step.pool.host[0] if offload else None)
+                             rerank=rerank, device_keys=step.cache.data[0],
+                             host_keys=step.pool.host[0] if offload else None)
     batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
     layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=base)
     key_reads = torch.zeros(4, dtype=torch.int64)

@@ -285,7 +285,8 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
         NO_SECOND_POOL if base is None else base, count,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
         candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1),
-        key_reads.stride(0) if key_reads is not None else 0, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, COLUMN=column_size,
+        key_reads.stride(0) if key_reads is not None else 0,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, COLUMN=column_size,
         PER_BLOCK=block_size // column_size, BLOCK_SIZE=block_size, CANDIDATES=candidates_per_program,
         TOKENS=min(column_size, 16), COUNT_HOST=key_reads is not None and host_keys is not None,
     )

@@ -661,7 +661,8 @@ class PrefillDecodeSelector(BlockSelector):
         self.decode.before_step(plan)
 
     def decode_keep(self, layer, q, num_kv_heads, layout, key_reads=None):
-        return self.decode.decode_keep(layer, q, num_kv_heads, layout, key_reads)  # prefill policies keep decode rows whole
+        # prefill policies keep decode rows whole
+        return self.decode.decode_keep(layer, q, num_kv_heads, layout, key_reads)
 
     def narrowed_decode(self, block_size, seq_lens) -> bool:
         return self.decode.narrowed_decode(block_size, seq_lens)
