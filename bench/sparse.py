@@ -119,11 +119,11 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
     torch_sums_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
     sums_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
     selector.fused_granule_sums = True
-    selector.one_copy_tiles = True  # the peer: the estimate's tiles by one gather / one scaling kernel each
-    one_copy_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
-    one_copy_layer_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
-    one_copy_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
-    selector.one_copy_tiles = False
+    selector.one_copy_tiles = False  # the peer: the estimate's tiles by a flip and layout copies
+    flip_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
+    flip_layer_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
+    flip_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
+    selector.one_copy_tiles = True
     n = selection.shape[-1]
     causal = torch.arange(n, device=selection.device)[None, :] <= torch.arange(n, device=selection.device)[:, None]
     density = float((selection & causal).sum() / (causal.sum() * KV_HEADS))
@@ -136,15 +136,15 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
                   sdpa_ms=sdpa, sdpa_backend=sdpa_name, sparse_ms=sparse_ms, estimate_ms=estimate_ms,
                   fused_estimate_ms=fused_estimate_ms, selection_agreement_with_fused_estimate=agreement,
                   torch_sums_estimate_ms=torch_sums_ms, selection_agreement_with_torch_sums=sums_agreement,
-                  one_copy_estimate_ms=one_copy_ms, one_copy_sparse_ms=one_copy_layer_ms,
-                  selection_agreement_with_one_copy=one_copy_agreement,
+                  flip_copy_estimate_ms=flip_ms, flip_copy_sparse_ms=flip_layer_ms,
+                  selection_agreement_with_flip_copy=flip_agreement,
                   speedup_vs_fastest_dense=fastest_dense / sparse_ms, dense_tflops=flops / dense_ms / 1e9,
                   max_abs_error_vs_dense=error)
     log(f"prefill attention {context}: dense {dense_ms:.1f} ms ({result['dense_tflops']:.0f} TFLOP/s), SDPA "
         f"{sdpa_name} {sdpa:.1f} ms; XAttention {sparse_ms:.1f} ms (estimate {estimate_ms:.1f}; the Triton "
         f"estimate's {fused_estimate_ms:.1f}, selections {agreement:.4f} equal; with PyTorch's softmax and granule "
-        f"sums {torch_sums_ms:.1f}, selections {sums_agreement:.4f} equal; with one-copy tiles {one_copy_ms:.1f}, "
-        f"layer {one_copy_layer_ms:.1f}, selections {one_copy_agreement:.4f} equal) at density {density:.3f} -> "
+        f"sums {torch_sums_ms:.1f}, selections {sums_agreement:.4f} equal; with flip-and-copy tiles {flip_ms:.1f}, "
+        f"layer {flip_layer_ms:.1f}, selections {flip_agreement:.4f} equal) at density {density:.3f} -> "
         f"{result['speedup_vs_fastest_dense']:.2f}x the fastest dense; max |diff| {error:.3f}")
     return result
 
@@ -262,16 +262,16 @@ def set_one_copy_tiles(selector, one_copy: bool) -> None:
 
 
 def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
-                       one_copy_peer: bool = False, **options) -> dict:
+                       flip_copy_peer: bool = False, **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
     untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
     mass are about that share of them, so the threshold sets the density (printed) with cover "group" (the issue's
     rule); with "head" each query head picks its own near-random share and the KV head keeps their union (about
     1 - (1 - threshold)^group). A speed measurement at a chosen density, not an accuracy one. A context at the
-    model's max_position_embeddings prefills one token fewer. one_copy_peer: the XAttention engine timed also with
-    its estimate's tiles made by one copy each (`XAttentionSelector.one_copy_tiles`). options: further engine options
-    (both engines)."""
+    model's max_position_embeddings prefills one token fewer. flip_copy_peer: the XAttention engine timed also with
+    its estimate's tiles made by a flip and layout copies (`XAttentionSelector.one_copy_tiles` off). options: further
+    engine options (both engines)."""
     import time
 
     from nanovllm.config import load_hf_config
@@ -286,7 +286,7 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     vocab = engines["full"].config.hf_config["vocab_size"]
     prompt = random_prompts(vocab, 1, context, context)[0]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    runs = [("full", False), ("xattention", False)] + ([("xattention", True)] if one_copy_peer else [])
+    runs = [("full", True), ("xattention", True)] + ([("xattention", False)] if flip_copy_peer else [])
     seconds, density = {(name, one_copy): [] for name, one_copy in runs}, None
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for rep in range(reps + 1):
@@ -302,15 +302,15 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
                 seconds[name, one_copy].append(time.perf_counter() - start)
             if name == "xattention":
                 density = out.metrics.prefill_density
-    dense, sparse = min(seconds["full", False]), min(seconds["xattention", False])
+    dense, sparse = min(seconds["full", True]), min(seconds["xattention", True])
     chunk = engines["full"].config.max_num_batched_tokens
     result = dict(context=context, threshold=threshold, cover=cover, max_num_batched_tokens=chunk, density=density,
                   dense_s=dense, xattention_s=sparse, speedup=dense / sparse, runs=reps)
     peer = ""
-    if one_copy_peer:
-        result["xattention_one_copy_s"] = one_copy = min(seconds["xattention", True])
-        result["speedup_one_copy"] = dense / one_copy
-        peer = f"; with one-copy tiles {one_copy:.2f} s -> {dense / one_copy:.2f}x"
+    if flip_copy_peer:
+        result["xattention_flip_copy_s"] = flip = min(seconds["xattention", False])
+        result["speedup_flip_copy"] = dense / flip
+        peer = f"; with flip-and-copy tiles {flip:.2f} s -> {dense / flip:.2f}x"
     log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}, cover {cover}, "
         f"chunks of {chunk}): dense {dense:.2f} s, XAttention {sparse:.2f} s at density {density:.3f} -> "
         f"{dense / sparse:.2f}x{peer} (best of {reps})")
@@ -381,8 +381,9 @@ def main() -> None:
     ap.add_argument("--e2e-threshold", type=float, default=0.2)
     ap.add_argument("--e2e-cover", choices=("head", "group"), default="group",
                     help="xattn_cover of the random-weight prefill (group: the threshold sets the density)")
-    ap.add_argument("--one-copy-peer", action="store_true",
-                    help="the end-to-end prefill's XAttention engine also with XAttentionSelector.one_copy_tiles")
+    ap.add_argument("--flip-copy-peer", action="store_true",
+                    help="the end-to-end prefill's XAttention engine also with its estimate's tiles by a flip and "
+                         "copies (XAttentionSelector.one_copy_tiles off)")
     ap.add_argument("--e2e-chunk", type=int, default=8192,
                     help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
@@ -403,7 +404,7 @@ def main() -> None:
                                                   False, None, which)
     for context in args.e2e_contexts:
         results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
-            args.config, context, args.e2e_threshold, args.e2e_cover, one_copy_peer=args.one_copy_peer,
+            args.config, context, args.e2e_threshold, args.e2e_cover, flip_copy_peer=args.flip_copy_peer,
             max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:

@@ -349,8 +349,9 @@ class XAttentionSelector(BlockSelector):
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
         self.fused_granule_sums = True
         # the estimate's key and query tiles made by one gather / one scaling kernel each instead of a flip and
-        # layout copies (key_tile_rows, query_tile_rows): the same tensors; not yet timed on the GPU
-        self.one_copy_tiles = False
+        # layout copies (key_tile_rows, query_tile_rows), the same tensors: 12.3 vs 13.4 ms per 128K estimate
+        # on the H200 (docs/BENCHMARKS.md)
+        self.one_copy_tiles = True
 
     def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
         """Compiles the granule-sums kernel's variant of this engine (the scores' dtype, the tiles per granule):
