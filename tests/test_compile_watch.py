@@ -59,13 +59,19 @@ def test_events_name_what_the_variant_is_specialised_on():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
 @pytest.mark.parametrize("policy", ["full", "xattention+quest"])
-def test_no_compilation_on_the_request_path(tiny_llama, policy):
+def test_no_compilation_on_the_request_path(tiny_llama, policy, offload):
+    """Offload: a device pool of 16 blocks (256 keys) under prompts of up to 361 tokens, KV read from the host.
+    Quest narrows every layer (the tiny model's two layers would otherwise be its two dense ones)."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.kernels.compile_watch import WATCH
 
-    llm = LLM(str(tiny_llama), device="cuda", kvcache_block_size=16, num_gpu_blocks=256, max_num_batched_tokens=256,
-              sparse_policy=policy, sparse_min_context=0, xattn_block_size=16, xattn_stride=4, quest_token_budget=32)
+    pool = dict(num_gpu_blocks=16, enable_cpu_offload=True, cpu_kv_cache_gb=0.05) if offload else \
+        dict(num_gpu_blocks=256)
+    llm = LLM(str(tiny_llama), device="cuda", kvcache_block_size=16, max_num_batched_tokens=256, **pool,
+              sparse_policy=policy, sparse_min_context=0, xattn_block_size=16, xattn_stride=4, quest_token_budget=32,
+              quest_dense_layers=0)
     seen = len(WATCH.request_path_events())
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1)
@@ -132,8 +138,9 @@ def test_start_up_steps_of_a_sparse_policy_take_the_per_head_variants(tiny_llama
 def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(tiny_llama, policy, offload):
     """The start-up mixed steps go through the engine's own selector with every row selecting (the default
     sparse_min_context of 8,192 set aside for them), so its kernels (XAttention's estimate, Quest's scores, top
-    and rerank) compile at start-up; the minimum is back afterwards and the outputs are unchanged (offload: a
-    device pool of 8 blocks under start-up rows of up to 511 keys)."""
+    and rerank) compile at start-up, the rerank counting the keys it reads as a request's steps do (its host-read
+    variant: 541 ms on the request path of a Qwen RULER run); the minimum is back afterwards and the outputs are
+    unchanged (offload: a device pool of 8 blocks under start-up rows of up to 511 keys)."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.warm_up import compile_step_variants
     from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
@@ -147,13 +154,15 @@ def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(
     llm = LLM(str(tiny_llama), **options)
     selector = llm.runner.worker.selector
     parts = [getattr(selector, "prefill", selector), getattr(selector, "decode", selector)]
-    calls = {"estimate": 0, "rerank": 0}
+    calls = {"estimate": 0, "rerank": 0, "rerank counting reads": 0}
 
     def counting(part, method, key):
         original = getattr(part, method)
 
         def wrapped(*args, **kwargs):
             calls[key] += 1
+            if key == "rerank" and (args[5:] or [kwargs.get("key_reads")])[0] is not None:
+                calls["rerank counting reads"] += 1
             return original(*args, **kwargs)
         setattr(part, method, wrapped)
 
@@ -165,6 +174,7 @@ def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(
     compile_step_variants(llm.runner.worker)
     assert calls["estimate"] > 0 if "xattention" in policy else calls["estimate"] == 0
     assert calls["rerank"] > 0 if "quest" in policy else calls["rerank"] == 0
+    assert calls["rerank counting reads"] > 0 if "quest" in policy else calls["rerank counting reads"] == 0
     assert all(part.min_context == 8192 for part in parts)
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
@@ -271,7 +281,9 @@ def test_start_up_runs_pure_decode_steps_only_without_decode_graphs(tiny_llama, 
 @pytest.mark.parametrize("policy", ["full", "quest"])
 def test_start_up_of_an_offload_engine_runs_its_split_attention(tiny_llama, policy):
     """An offload engine's start-up also runs the split attention (the rows into float32 partial results, then a
-    history pass merged in), per KV head too under a sparse policy; the outputs after it are unchanged."""
+    history pass merged in), over the mixed steps' rows and over decode rows alone (a mixed step's decode part: a
+    Quest RULER run on Qwen compiled its one-split and 16-split variants on the request path), per KV head too
+    under a sparse policy; the outputs after it are unchanged."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.warm_up import compile_step_variants
 
@@ -285,17 +297,18 @@ def test_start_up_of_an_offload_engine_runs_its_split_attention(tiny_llama, poli
 
     def recording_forward(q, k_cache, v_cache, meta, scale, out=None):
         if out is not None:
-            calls.append(("rows", out[0].dtype, meta.seq_lens_tensor.dim()))
+            calls.append(("rows", out[0].dtype, meta.seq_lens_tensor.dim(), max(meta.query_lens) == 1))
         return forward_with_lse(q, k_cache, v_cache, meta, scale, out=out)
 
     def recording_history(q, k_cache, v_cache, meta, scale, out):
-        calls.append(("history", out[0].dtype, meta.seq_lens_tensor.dim()))
+        calls.append(("history", out[0].dtype, meta.seq_lens_tensor.dim(), max(meta.query_lens) == 1))
         return history(q, k_cache, v_cache, meta, scale, out)
 
     backend.forward_with_lse, backend.history_attention = recording_forward, recording_history
     compile_step_variants(llm.runner.worker)
     backend.forward_with_lse, backend.history_attention = forward_with_lse, history
     per_head = [1] if policy == "full" else [1, 2]
-    assert sorted(set(calls)) == sorted((kind, torch.float32, d) for kind in ("history", "rows") for d in per_head)
-    assert len(calls) == 2 * 2 * len(per_head)  # both layouts, rows and history
+    assert sorted(set(calls)) == sorted((kind, torch.float32, d, decode_only) for kind in ("history", "rows")
+                                        for d in per_head for decode_only in (False, True))
+    assert len(calls) == 2 * 4 * len(per_head)  # two mixed and two decode layouts (max_model_len 512), rows and history
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids

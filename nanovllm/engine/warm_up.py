@@ -14,9 +14,11 @@ loading (torch's default) the first forward of a new token count loads the GEMM 
 (a first 1K prompt waited 7-21 ms for them, nothing compiled; docs/BENCHMARKS.md). Last, greedy and
 temperature sampling of a single row and of several: the first greedy token of a fresh engine waited
 8 ms for the argmax kernel to load (torch.profiler, H200). An offload engine also runs its split attention
-(float32 partial results, a history pass merged in), whose kernel variants the device-only steps do not meet,
-and the pure decode steps outside the graphs that its steps over host blocks are; its start-up rows may be
-longer than its device pool, whose blocks they then read again.
+(float32 partial results, a history pass merged in) over the mixed steps' rows and over decode rows alone (a
+mixed step's decode rows attend as a part of their own), whose kernel variants the device-only steps do not
+meet, and the pure decode steps outside the graphs that its steps over host blocks are; its start-up rows may
+be longer than its device pool, whose blocks they then read again. The selector's pass counts what it reads,
+as a request's steps do (Quest's rerank has a variant counting host keys: 541 ms on a Qwen RULER run).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import itertools
 
 import torch
 
-from nanovllm.layers.block_selector import BlockSelector, Selection, SelectionInput
+from nanovllm.layers.block_selector import BlockSelector, Selection, SelectionInput, SparseStats
 from nanovllm.layers import cudnn_prefill
 from nanovllm.layers.kv_access import DeviceKV
 from nanovllm.layers.sampler import sample_on_device
@@ -87,9 +89,9 @@ def compile_step_variants(worker) -> None:
     if not worker.selector.dense:  # a sparse policy's steps attend over per-KV-head tables: other variants
         for query_lens, seq_lens in layouts:
             _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
-        with worker.selector.selecting_at_any_length():  # and its own kernels (scores, top, rerank, estimate)
-            for query_lens, seq_lens in layouts:
-                _mixed_step(worker, query_lens, seq_lens, worker.selector)
+        with worker.selector.selecting_at_any_length():  # and its own kernels (scores, top, rerank, estimate),
+            for query_lens, seq_lens in layouts:  # counting what they read (the rerank's host-read variant)
+                _mixed_step(worker, query_lens, seq_lens, worker.selector, SparseStats(len(query_lens)))
         worker.selector.warm_up(worker.kv_cache.layer(0)[0].shape[2], worker.device)
     config = worker.config
     # enforce_eager: nothing captured the pure decode steps' kernels; offload: steps over host blocks run eagerly
@@ -103,7 +105,8 @@ def compile_step_variants(worker) -> None:
     _cudnn_route(worker)
     if worker.host_pool is not None:  # offload: steps that split their attention merge float32 partial results
         tables = [False] if worker.selector.dense else [False, True]  # dense, and per KV head
-        for (query_lens, seq_lens), per_head in itertools.product(layouts, tables):
+        steps = layouts + decode_step_layouts(config.max_model_len)  # a mixed step's decode rows: a part of its own
+        for (query_lens, seq_lens), per_head in itertools.product(steps, tables):
             _split_attention(worker, query_lens, seq_lens, per_head)
     _sample_rows(logits)
 
@@ -166,8 +169,8 @@ class EveryBlockPerHead(BlockSelector):
                 for i in range(len(batch.seq_lens))]
 
 
-def _mixed_step(worker, query_lens: list[int], seq_lens: list[int],
-                selector: BlockSelector | None = None) -> torch.Tensor:
+def _mixed_step(worker, query_lens: list[int], seq_lens: list[int], selector: BlockSelector | None = None,
+                stats: SparseStats | None = None) -> torch.Tensor:
     """One forward of these rows over the pool's first blocks; the logits of each row's last token."""
     block_size = worker.block_size
     table = warm_up_table(max(seq_lens), block_size, worker.num_blocks)
@@ -176,7 +179,7 @@ def _mixed_step(worker, query_lens: list[int], seq_lens: list[int],
     tables = [table] * len(query_lens)
     meta = worker.backend.build_metadata(query_lens, seq_lens, tables, slots, block_size, worker.device)
     ids = torch.arange(len(positions), device=worker.device) % worker.model.config.vocab_size
-    kv = DeviceKV(worker.kv_cache, worker.backend, meta, selector)
+    kv = DeviceKV(worker.kv_cache, worker.backend, meta, selector, stats)
     hidden = worker.model(ids, torch.tensor(positions, device=worker.device), kv)
     last_rows = torch.tensor(list(itertools.accumulate(query_lens)), device=worker.device) - 1
     return worker.model.compute_logits(hidden[last_rows])
