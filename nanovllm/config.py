@@ -10,6 +10,7 @@ from typing import Any
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 SPARSE_POLICIES = ("full", "xattention", "quest", "xattention+quest")
 XATTN_COVERS = ("group", "head")
+QUEST_RERANK_SCORES = ("max", "mass")
 _DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "vllm")
 NOT_OPTIONS = ("model", "model_path", "hf_config")
@@ -53,6 +54,9 @@ class EngineConfig:
     # Quest: the bound's top quest_rerank x budget pages (blocks) are ranked again by their keys' exact largest score
     # (1: the bound alone, as the paper; 2 lost 4.3 RULER points at Qwen 32K where the bound lost 6, 0.6-1.4 on SmolLM2)
     quest_rerank: int = 2
+    # Quest: how the rerank ranks its candidates: "max", a page's largest q . k over the group's query heads; "mass",
+    # each query head's softmax mass on the page among the candidates, sink and recent pages, the group's maximum
+    quest_rerank_score: str = "max"
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)
@@ -148,6 +152,8 @@ class EngineConfig:
                              f"{self.kvcache_block_size} must divide one another")
         _positive_int("quest_token_budget", self.quest_token_budget)
         _positive_int("quest_rerank", self.quest_rerank)
+        if self.quest_rerank_score not in QUEST_RERANK_SCORES:
+            raise ValueError(f"quest_rerank_score must be one of {QUEST_RERANK_SCORES}, got {self.quest_rerank_score!r}")
         if not isinstance(self.quest_page_select, bool):
             raise ValueError(f"quest_page_select must be a bool, got {self.quest_page_select!r}")
         for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):

@@ -27,6 +27,9 @@ _HELP = {
                          "sink and recent blocks' pages) instead of its top KV blocks (default: on)",
     "quest_rerank": "Quest: the bound's top N x budget pages are ranked again by their keys' exact largest score, "
                     "and the budget's best of them kept (default 2; 1: the bound alone, as the Quest paper)",
+    "quest_rerank_score": "Quest: the rerank's ranking: max (a page's largest q.k over the KV head's query heads) or "
+                          "mass (each query head's softmax mass on the page among the candidates, sink and recent "
+                          "pages; the heads' maximum)",
     "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",

@@ -30,3 +30,33 @@ def test_group_max_rule_is_the_engines_bound_and_exact_max_its_candidate_scores(
         want = selector.candidate_scores(0, step.q, layout, pages, 16)
         got = rule_scores("exact max")(selector, 0, step.q, PAGE_HK, layout, pages=True)
         torch.testing.assert_close(got * step.q.shape[-1] ** 0.5, want)  # the rule's logits carry the softmax scale
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mass_rerank_keeps_what_the_refine_rule_keeps(seed, monkeypatch):
+    """quest_rerank_score "mass" (the engine's rerank: each query head's softmax mass among the candidates, sink and
+    recent pages, the group's maximum) keeps the pages bench/quest_rules.py's "refine 2x" rule (its own definition:
+    softmax over the visible pages' logits) ranks first, and the same with some blocks on the host; the choice
+    differs from the "max" rerank's."""
+    budget = 80  # 5 pages
+    keeps = {}
+    for offload in (False, True):
+        step = PageStep(seed, offload)
+        step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))
+        batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
+        layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=1000)
+        for score in ("max", "mass"):
+            selector = QuestSelector(step.bounds, token_budget=budget, dense_layers=0, min_context=0, page_select=True,
+                                     rerank=2, device_keys=step.cache.data[0],
+                                     host_keys=step.pool.host[0] if offload else None, rerank_score=score)
+            keeps[score, offload] = selector.decode_keep(0, step.q, PAGE_HK, layout, torch.zeros(4, dtype=torch.int64))[0]
+        if not offload:
+            monkeypatch.setattr(QuestSelector, "batch_block_scores", rule_scores("refine 2x"))
+            selector = QuestSelector(step.bounds, token_budget=budget, dense_layers=0, min_context=0, page_select=True,
+                                     device_keys=step.cache.data[0])
+            keeps["refine"] = selector.decode_keep(0, step.q, PAGE_HK, layout)[0]
+            monkeypatch.undo()
+    assert torch.equal(keeps["mass", False], keeps["refine"])
+    assert torch.equal(keeps["mass", True], keeps["mass", False])
+    assert not torch.equal(keeps["mass", False], keeps["max", False])
+

@@ -170,15 +170,15 @@ def test_launched_narrowed_steps_count_the_same_work_without_waiting(tiny_llama)
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("rerank", [1, 2], ids=["bound", "rerank-2"])
+@pytest.mark.parametrize("rerank, score", [(1, "max"), (2, "max"), (2, "mass")], ids=["bound", "rerank-2", "mass-2"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload-mirrored-layer"])
-def test_narrowed_page_steps_equal_the_eager_page_selection(tiny_llama, offload, rerank):
+def test_narrowed_page_steps_equal_the_eager_page_selection(tiny_llama, offload, rerank, score):
     """quest_page_select with 32-token blocks (2 pages each) and a 3-page budget: the narrowed steps (page
     tables over the pools viewed in pages, host pages read in place) give the eager page selection's
     tokens, logprobs, decode densities (3.5 blocks per sparse head, not a block selection's 3) and host bytes;
-    with quest_rerank the same (the candidates' keys read from both pools)."""
+    with quest_rerank the same (the candidates' keys read from both pools), ranked by either score."""
     options = dict(quest_token_budget=3 * 16, quest_dense_layers=1, quest_page_select=True, kvcache_block_size=2 * BS,
-                   quest_rerank=rerank, **memory_options(offload))
+                   quest_rerank=rerank, quest_rerank_score=score, **memory_options(offload))
     want = quest_engine(tiny_llama, False, **options).generate(PROMPTS, PARAMS, use_tqdm=False)
     llm = quest_engine(tiny_llama, True, **options)
     seen = count_narrowed_steps(llm)
@@ -211,6 +211,9 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
     selector.rerank = captured_rerank + 1
     assert not narrowed.captured(selector, 1, Graphs)
     selector.rerank = captured_rerank
+    selector.rerank_score = "mass"
+    assert not narrowed.captured(selector, 1, Graphs)
+    selector.rerank_score = "max"
     selector.page_select = True  # 16-token blocks: its pages are the blocks, the same narrowing
     assert narrowed.captured(selector, 1, Graphs)
 

@@ -82,7 +82,7 @@ from nanovllm.kernels import triton_paged_attention as t, triton_quest as q, tri
 wanted = {t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
           t._prefill_kernel: {"stride_bt", "stride_bh"},
           q._quest_scores_kernel: {"num_columns", "stride_tb"},
-          q._candidate_max_kernel: {"num_candidates", "stride_tb"},
+          q._candidate_max_kernel: {"num_candidates", "stride_tb", "stride_ob", "stride_oh", "stride_og"},
           x._estimate_kernel: {"seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "stride_qt"}}
 for kernel, names in wanted.items():
     loose = {p.name for p in kernel.params if p.do_not_specialize}
@@ -121,8 +121,9 @@ print("ok")
 
 
 def test_candidate_max_kernel_compiles_for_sm90_without_a_gpu():
-    """quest_rerank's kernel (not yet run on a GPU) compiled for sm_90 through Triton's ptxas: Llama-3.1-8B's
-    shape with pages and with whole blocks as columns, SmolLM2's (3 query heads per KV head, head_dim 64)."""
+    """quest_rerank's kernel compiled for sm_90 through Triton's ptxas: Llama-3.1-8B's shape with pages and with
+    whole blocks as columns, SmolLM2's (3 query heads per KV head, head_dim 64), and Qwen2.5-0.5B's (7, 64) with
+    each query head's log-sum-exp (quest_rerank_score "mass")."""
     pytest.importorskip("triton")
     code = """
 import triton
@@ -130,13 +131,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nanovllm.kernels.triton_quest import _candidate_max_kernel as kernel
 names = kernel.arg_names
-sig = {name: "i32" for name in names[6:21]}
+first_constexpr = names.index("GROUP")
+sig = {name: "i32" for name in names[6:first_constexpr]}
 sig.update(q_ptr="*bf16", k_ptr="*bf16", tables_ptr="*i64", seq_lens_ptr="*i64", cand_ptr="*i64", out_ptr="*fp32",
-           reads_ptr="*i64", host_delta="i64", base="i64")
-sig.update({name: "constexpr" for name in names[21:]})
-for group, dim, column, count in [(4, 128, 16, True), (4, 128, 256, False), (3, 64, 16, True)]:
+           reads_ptr="*i64", host_delta="i64", base="i64", qk_scale="fp32")
+sig.update({name: "constexpr" for name in names[first_constexpr:]})
+for group, dim, column, count, lse in [(4, 128, 16, True, False), (4, 128, 256, False, False), (3, 64, 16, True, False),
+                                       (7, 64, 16, True, True)]:
     consts = dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=dim, COLUMN=column,
-                  PER_BLOCK=256 // column, BLOCK_SIZE=256, CANDIDATES=8, TOKENS=16, COUNT_HOST=count)
+                  PER_BLOCK=256 // column, BLOCK_SIZE=256, CANDIDATES=8, TOKENS=16, COUNT_HOST=count, HEAD_LSE=lse)
     compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert compiled.asm["cubin"]
 print("ok")
@@ -283,9 +286,12 @@ def test_narrowed_tables_kernel_equals_the_reference(batch, heads, width, pages,
 @pytest.mark.parametrize("block_size, column_size, num_kv_heads, group, host", [
     (64, 16, 2, 3, True), (32, 16, 1, 4, False), (32, 32, 2, 2, True), (64, 64, 4, 1, True)])
 @pytest.mark.parametrize("per_program", [8, 3])
-def test_candidate_max_scores_equal_the_reference(block_size, column_size, num_kv_heads, group, host, per_program):
+@pytest.mark.parametrize("head_lse", [False, True], ids=["max", "head-lse"])
+def test_candidate_max_scores_equal_the_reference(block_size, column_size, num_kv_heads, group, host, per_program,
+                                                  head_lse):
     """quest_rerank's exact candidate scores from one kernel (host blocks' keys read host_delta away) against
-    QuestSelector.candidate_scores' PyTorch path: -1 candidates, columns past a sequence's end, partial pages."""
+    QuestSelector.candidate_scores' PyTorch path: -1 candidates, columns past a sequence's end, partial pages;
+    the largest q . k, or each query head's log-sum-exp (quest_rerank_score "mass")."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import candidate_max_scores
 
@@ -308,10 +314,11 @@ def test_candidate_max_scores_equal_the_reference(block_size, column_size, num_k
     want_reads = torch.full((3,), 5)
     counts = torch.full((3, 3), 5, device=DEVICE)  # a column of a count buffer, as the narrowed steps pass it
     got_reads = counts[:, 2]
-    want = selector.candidate_scores(0, q, layout, candidates, column_size, want_reads)
+    want = selector.candidate_scores(0, q, layout, candidates, column_size, want_reads, head_lse=head_lse)
     got = candidate_max_scores(q.to(DEVICE), keys.to(DEVICE), host_keys.to(DEVICE) if host else None,
                                layout.ids.to(DEVICE), layout.seq_lens.to(DEVICE), candidates.to(DEVICE), block_size,
-                               column_size, layout.base, per_program, key_reads=got_reads)
+                               column_size, layout.base, per_program, key_reads=got_reads, head_lse=head_lse)
+    assert want.shape == (3, num_kv_heads, *([group] if head_lse else []), 13)
     assert torch.isinf(want).any() and torch.isfinite(want).any()
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_reads.cpu(), want_reads) and bool((want_reads > 5).any()) == host  # host candidates added

@@ -33,6 +33,7 @@ BS = 16
     ("quest_dense_layers", -1, "quest_dense_layers must be an integer >= 0"),
     ("quest_page_select", 1, "quest_page_select must be a bool"),
     ("quest_rerank", 0, "quest_rerank must be a positive integer"),
+    ("quest_rerank_score", "sum", r"quest_rerank_score must be one of \('max', 'mass'\)"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
 ])
 def test_bad_sparse_options_name_the_limit(tiny_llama, option, value, message):
@@ -1014,15 +1015,16 @@ def test_quest_rerank_needs_the_device_keys():
         QuestSelector(PageStep(0, False).bounds, token_budget=32, dense_layers=0, min_context=0, rerank=2)
 
 
+@pytest.mark.parametrize("score", ["max", "mass"])
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
-def test_quest_rerank_in_the_engine_keeps_the_budget(tiny_llama, offload):
-    """quest_rerank=2 end to end: the same decode density as the bound alone (each KV head still reads the budget's
-    pages), a different choice of them on some step, and every request completes."""
+def test_quest_rerank_in_the_engine_keeps_the_budget(tiny_llama, offload, score):
+    """quest_rerank=2 end to end, either score: the same decode density as the bound alone (each KV head still reads
+    the budget's pages), a different choice of them on some step, and every request completes."""
     memory = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else dict(num_gpu_blocks=64)
     runs = {}
     for rerank in (1, 2):
         llm = quest_llm(tiny_llama, quest_token_budget=32, quest_page_select=True, kvcache_block_size=4 * BS,
-                        quest_rerank=rerank, dtype="float32", **memory)
+                        quest_rerank=rerank, quest_rerank_score=score, dtype="float32", **memory)
         selector, chosen = llm.runner.worker.selector, []
         narrow = selector.narrow
         selector.narrow = lambda *a: chosen.append(narrow(*a)) or chosen[-1]

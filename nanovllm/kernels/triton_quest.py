@@ -215,19 +215,21 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     return out
 
 
-@triton.jit(do_not_specialize=["num_candidates", "stride_tb"])  # candidate counts and table widths vary by step
+# candidate counts (and the output's strides with them) and table widths vary by step
+@triton.jit(do_not_specialize=["num_candidates", "stride_tb", "stride_ob", "stride_oh", "stride_og"])
 def _candidate_max_kernel(
-    q_ptr, k_ptr, tables_ptr, seq_lens_ptr, cand_ptr, out_ptr, reads_ptr, host_delta, base, num_candidates,
+    q_ptr, k_ptr, tables_ptr, seq_lens_ptr, cand_ptr, out_ptr, reads_ptr, host_delta, base, num_candidates, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_cb, stride_ch, stride_ob, stride_oh,
-    stride_r,
+    stride_og, stride_r,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, COLUMN: tl.constexpr,
     PER_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, CANDIDATES: tl.constexpr, TOKENS: tl.constexpr,
-    COUNT_HOST: tl.constexpr,
+    COUNT_HOST: tl.constexpr, HEAD_LSE: tl.constexpr,
 ):
     """One (sequence, KV head, run of CANDIDATES candidates): each candidate column's largest q . k over its keys
-    before the sequence's end and the KV head's query heads, -inf for none; keys of host blocks (table entries
-    >= base) read host_delta elements away, from pinned memory in place (COUNT_HOST: their candidates added to
-    reads_ptr[sequence])."""
+    before the sequence's end and the KV head's query heads, -inf for none (HEAD_LSE: each query head's
+    log-sum-exp of q . k * qk_scale over those keys instead, at out_ptr + head * stride_og); keys of host blocks
+    (table entries >= base) read host_delta elements away, from pinned memory in place (COUNT_HOST: their
+    candidates added to reads_ptr[sequence])."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
@@ -249,6 +251,8 @@ def _candidate_max_kernel(
         host_reads += (valid & on_host).to(tl.int32)
         block = tl.where(on_host, entry - base, entry)
         best = tl.full([], float("-inf"), tl.float32)
+        head_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # HEAD_LSE: running max and sum per head
+        head_sum = tl.zeros([GROUP_PAD], tl.float32)
         for start in tl.static_range(0, COLUMN, TOKENS):
             token = (col % PER_BLOCK) * COLUMN + start + t
             ok = valid & (block_col * BLOCK_SIZE + token < seq_len)
@@ -256,8 +260,19 @@ def _candidate_max_kernel(
             k = tl.load(k_ptr + offsets + tl.where(on_host, host_delta, 0), mask=ok[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [group, tokens]
             s = tl.where((g < GROUP)[:, None] & ok[None, :], s, float("-inf"))
-            best = tl.maximum(best, tl.max(tl.max(s, axis=1), axis=0))
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + n, best, mask=in_range)
+            if HEAD_LSE:
+                s = s * qk_scale
+                new_max = tl.maximum(head_max, tl.max(s, axis=1))
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: nothing to rescale
+                head_sum = head_sum * tl.exp(head_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
+                head_max = new_max
+            else:
+                best = tl.maximum(best, tl.max(tl.max(s, axis=1), axis=0))
+        if HEAD_LSE:
+            lse = head_max + tl.log(tl.where(head_sum > 0, head_sum, 1.0))  # -inf where no key
+            tl.store(out_ptr + b * stride_ob + h * stride_oh + g * stride_og + n, lse, mask=(g < GROUP) & in_range)
+        else:
+            tl.store(out_ptr + b * stride_ob + h * stride_oh + n, best, mask=in_range)
     if COUNT_HOST:
         tl.atomic_add(reads_ptr + b * stride_r, host_reads.to(tl.int64))
 
@@ -265,11 +280,12 @@ def _candidate_max_kernel(
 def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.Tensor | None, tables: torch.Tensor,
                          seq_lens: torch.Tensor, candidates: torch.Tensor, block_size: int, column_size: int,
                          base: int | None, candidates_per_program: int = 8,
-                         key_reads: torch.Tensor | None = None) -> torch.Tensor:
+                         key_reads: torch.Tensor | None = None, head_lse: bool = False) -> torch.Tensor:
     """[B, Hk, N] float32: `QuestSelector.candidate_scores` (its reference) in one launch. q [B, Hq, D]; keys [blocks,
     block_size, Hk, D] one layer's device pool, host_keys the host pool's (pinned, read in place; table entries
     >= base of tables [B, W]); candidates [B, Hk, N] column positions of column_size tokens (-1: none);
-    key_reads [B] int64 (any stride), if given: each sequence's candidates read from the host pool added to it."""
+    key_reads [B] int64 (any stride), if given: each sequence's candidates read from the host pool added to it.
+    head_lse: [B, Hk, group, N], each query head's log-sum-exp of q . k / sqrt(D) over a candidate's keys."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, count = candidates.shape[1], candidates.shape[2]
     if host_keys is not None and (host_keys.stride() != keys.stride() or host_keys.dtype != keys.dtype):
@@ -278,16 +294,17 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
         raise ValueError("candidates must have contiguous rows")
     host_delta = (host_keys.data_ptr() - keys.data_ptr()) // keys.element_size() if host_keys is not None else 0
     group = num_heads // num_kv_heads
-    out = torch.empty(batch, num_kv_heads, count, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, num_kv_heads, *([group] if head_lse else []), count, dtype=torch.float32,
+                      device=q.device)
     grid = (batch, num_kv_heads, triton.cdiv(max(count, 1), candidates_per_program))
     _candidate_max_kernel[grid](
         q, keys, tables, seq_lens, candidates, out, key_reads if key_reads is not None else out, host_delta,
-        NO_SECOND_POOL if base is None else base, count,
+        NO_SECOND_POOL if base is None else base, count, head_dim**-0.5,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
-        candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1),
+        candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1), out.stride(2) if head_lse else 0,
         key_reads.stride(0) if key_reads is not None else 0,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, COLUMN=column_size,
         PER_BLOCK=block_size // column_size, BLOCK_SIZE=block_size, CANDIDATES=candidates_per_program,
-        TOKENS=min(column_size, 16), COUNT_HOST=key_reads is not None and host_keys is not None,
+        TOKENS=min(column_size, 16), COUNT_HOST=key_reads is not None and host_keys is not None, HEAD_LSE=head_lse,
     )
     return out

@@ -7,8 +7,9 @@
   block and the most recent block, or with `page_select` (the engine's default, `quest_page_select`) its
   top pages. With `rerank` > 1 the bound's top rerank x budget columns are candidates, ranked again by
   their keys' exact largest score (the maximum over the group's query heads and the column's keys, which the
-  bound bounds from above), and the budget's best of them kept. The first `dense_layers` layers, prefill rows
-  and sequences shorter than `min_context` stay dense.
+  bound bounds from above), or with `rerank_score` "mass" by each query head's softmax mass on the column among
+  the candidates, sink and recent columns (the group's maximum), and the budget's best of them kept. The first
+  `dense_layers` layers, prefill rows and sequences shorter than `min_context` stay dense.
 - `XAttentionSelector` (prefill): antidiagonal scoring. Queries and keys are cut into tiles of
   `stride` positions; a (query tile, key tile) pair scores the sum of q.k over the tile's antidiagonal
   (one stride-th of the full Q.K^T work), softmax per query head over the visible key tiles, the
@@ -52,18 +53,19 @@ class QuestSelector(BlockSelector):
     def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
                  sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
                  max_model_len: int | None = None, rerank: int = 1, device_keys: torch.Tensor | None = None,
-                 host_keys: torch.Tensor | None = None):
+                 host_keys: torch.Tensor | None = None, rerank_score: str = "max"):
         """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
         (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
         pages; select() keeps selecting blocks (the strategies send a mixed step's decode rows to
         decode_keep too, `MixedRows`). max_model_len: the longest sequence; with it every narrow() on CUDA
         runs one compiled variant of the top kernel, which warm_up() compiles. rerank: candidates per kept
         column, ranked by their keys: device_keys [layers, blocks, block_size, Hk, D] (the device pool's; needed
-        when rerank > 1) and host_keys [layers, host blocks, block_size, Hk, D] for host blocks."""
+        when rerank > 1) and host_keys [layers, host blocks, block_size, Hk, D] for host blocks. rerank_score:
+        "max" (a candidate's largest q . k) or "mass" (its softmax mass, `_rerank_scores`)."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
-        self.max_model_len, self.rerank = max_model_len, rerank
+        self.max_model_len, self.rerank, self.rerank_score = max_model_len, rerank, rerank_score
         self.device_keys, self.host_keys = device_keys, host_keys
         # narrow() on CUDA through one Triton kernel (kernels/triton_quest.ordered_top_columns) instead of
         # top-k + sort (1.13x the narrowed 128K offload step at budget 2048, docs/BENCHMARKS.md)
@@ -72,6 +74,8 @@ class QuestSelector(BlockSelector):
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
         if rerank > 1 and device_keys is None:
             raise ValueError(f"rerank={rerank} ranks candidates by their keys: device_keys is needed")
+        if rerank_score not in ("max", "mass"):
+            raise ValueError(f"rerank_score must be 'max' or 'mass', got {rerank_score!r}")
 
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         if layer < self.dense_layers:
@@ -161,14 +165,18 @@ class QuestSelector(BlockSelector):
         return self._budget(block_size) + (self.sink_blocks + self.recent_blocks) * per_block
 
     def narrowing(self, block_size: int) -> tuple:
-        return super().narrowing(block_size) + (self.rerank,)
+        return super().narrowing(block_size) + (self.rerank, self.rerank_score)
 
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         _, _, num_kv_heads, head_dim = self.bounds.min.shape
         block_size = self.bounds.block_size
-        # rerank: the candidates' keys gathered (twice with host blocks) and in float32, their scores
-        reranked = 0 if self.rerank == 1 else \
-            self.rerank * self._budget(block_size) * self.decode_page_size(block_size) * num_kv_heads * head_dim * 12
+        # rerank: the candidates' keys gathered (twice with host blocks) and in float32, their scores; "mass" also
+        # the sink and recent columns' keys and each query head's (bounded by head_dim) log-sum-exp and mass
+        columns, mass = self.rerank * self._budget(block_size), self.rerank_score == "mass"
+        if mass:
+            columns += (self.sink_blocks + self.recent_blocks) * (block_size // self.decode_page_size(block_size))
+        per_column = (self.decode_page_size(block_size) * 12 + (16 if mass else 0)) * num_kv_heads * head_dim
+        reranked = 0 if self.rerank == 1 else columns * per_column
         if self.bounds.min.is_cuda:  # the kernel reads the bounds in place: scores, masks and tables per column
             return max_blocks * block_size // self.decode_page_size(block_size) * num_kv_heads * 64 + reranked
         return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16 + reranked  # min, max, float32
@@ -196,7 +204,10 @@ class QuestSelector(BlockSelector):
         candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
         if rows is not None:
             candidates = candidates.masked_fill(~rows, -1)
-        exact = self.candidate_scores(layer, q, layout, candidates, page_size, key_reads)
+        fixed = torch.cat([kept[..., :sink], kept[..., sink + wide :]], -1)
+        if rows is not None:
+            fixed = fixed.masked_fill(~rows, -1)
+        exact = self._rerank_scores(layer, q, layout, candidates, fixed, page_size, key_reads)
         chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, self._rerank_chunk(layout.block_size))
         best = candidates.gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, -1)
         return torch.cat([kept[..., :sink], best, kept[..., sink + wide :]], -1)
@@ -209,20 +220,36 @@ class QuestSelector(BlockSelector):
             return ordered_top_columns(scores, ends, sink, budget, recent, chunk)
         return quest_top_reference(scores, ends, sink, budget, recent)
 
+    def _rerank_scores(self, layer: int, q: torch.Tensor, layout: DecodeLayout, candidates: torch.Tensor,
+                       fixed: torch.Tensor, column_size: int, key_reads: torch.Tensor | None) -> torch.Tensor:
+        """[B, Hk, N] the rerank's scores of candidates [B, Hk, N] (-1: none, -inf out). "max": each one's largest
+        q . k; "mass": each query head's softmax (scaled by 1/sqrt(D)) over the keys of the candidates and of the
+        kept sink and recent columns fixed [B, Hk, F], summed over a candidate's keys, the maximum over the KV
+        head's query heads (the fixed columns' keys are read besides the candidates', and counted)."""
+        if self.rerank_score == "max":
+            return self.candidate_scores(layer, q, layout, candidates, column_size, key_reads)
+        columns = torch.cat([candidates, fixed], -1)
+        lse = self.candidate_scores(layer, q, layout, columns, column_size, key_reads, head_lse=True)
+        mass = (lse - lse.logsumexp(-1, keepdim=True)).exp().nan_to_num(0.0)  # a row without keys: nan
+        return mass.amax(2)[..., : candidates.shape[-1]].masked_fill(candidates < 0, float("-inf"))
+
     def candidate_scores(self, layer: int, q: torch.Tensor, layout: DecodeLayout, columns: torch.Tensor,
-                         column_size: int, key_reads: torch.Tensor | None = None) -> torch.Tensor:
+                         column_size: int, key_reads: torch.Tensor | None = None,
+                         head_lse: bool = False) -> torch.Tensor:
         """[B, Hk, N] float32: for each column position of columns [B, Hk, N] (-1: none, -inf out) in units
         of column_size tokens, the largest q . k over its keys (those before the sequence's end) and the KV
         head's query heads q [B, Hq, D]: the exact score the Quest bound bounds from above. Keys come from
         the device pool or, for host blocks, host_keys. On CUDA one Triton kernel (host keys read in place,
         kernels/triton_quest.candidate_max_scores); this is its reference. key_reads [B]: each row's columns
-        whose keys were read from host_keys are added to it."""
+        whose keys were read from host_keys are added to it. head_lse: [B, Hk, group, N] instead, each query
+        head's log-sum-exp of q . k / sqrt(D) over the column's keys (-inf for none)."""
         if q.is_cuda:
             from nanovllm.kernels.triton_quest import candidate_max_scores
 
             host = self.host_keys[layer] if self.host_keys is not None else None
             return candidate_max_scores(q, self.device_keys[layer], host, layout.ids, layout.seq_lens,
-                                        columns, layout.block_size, column_size, layout.base, key_reads=key_reads)
+                                        columns, layout.block_size, column_size, layout.base, key_reads=key_reads,
+                                        head_lse=head_lse)
         batch, num_kv_heads, _ = columns.shape
         per_block, block_size = layout.block_size // column_size, layout.block_size
         col = columns.clamp(min=0)
@@ -239,10 +266,13 @@ class QuestSelector(BlockSelector):
             if key_reads is not None:
                 key_reads += (on_host & (columns >= 0)).sum((1, 2))
         group = q.view(batch, num_kv_heads, -1, q.shape[-1]).float()
-        scores = torch.einsum("bhgd,bhnpd->bhnpg", group, keys.float()).amax(-1)  # [B, Hk, N, P]
+        scores = torch.einsum("bhgd,bhnpd->bhnpg", group, keys.float())  # [B, Hk, N, P, group]
         position = (block_col * block_size)[..., None] + token
         present = (columns >= 0)[..., None] & (position < layout.seq_lens[:, None, None, None])
-        return scores.masked_fill(~present, float("-inf")).amax(-1)
+        scores = scores.masked_fill(~present[..., None], float("-inf"))
+        if head_lse:
+            return (scores * q.shape[-1] ** -0.5).logsumexp(3).transpose(2, 3)  # [B, Hk, group, N]
+        return scores.amax((3, 4))
 
     def _rerank_chunk(self, block_size: int) -> int:
         """The top kernel's columns per pass over candidates: one variant for every row (warm_up compiles it)."""
@@ -728,7 +758,8 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
         selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
                                            config.sparse_min_context, page_select=config.quest_page_select,
                                            max_model_len=config.max_model_len, rerank=config.quest_rerank,
-                                           device_keys=cache.data[0], host_keys=host_keys)
+                                           device_keys=cache.data[0], host_keys=host_keys,
+                                           rerank_score=config.quest_rerank_score)
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,
