@@ -7,9 +7,9 @@
   the estimate finds a sparse mass (the density it selects is printed beside the speed);
 - decode with KV offloaded (the device KV blocks of bench/offload.py's 24 GB-card budget; Quest's key
   bounds and its dense layers' device mirror come on top and are printed): Quest at token budgets 2048 and 4096
-  (the bound alone, quest_rerank=1; --rerank-peer 2 adds the engine's default) against dense offload, on the same
-  prefilled sequences (the selector is swapped between timings); host bytes per step, the PCIe floor of
-  those bytes and the GB/s achieved;
+  (the bound alone, quest_rerank=1; --rerank-peer 2 adds the engine's default, --mass-peer the same ranked by mass)
+  against dense offload, on the same prefilled sequences (the selector is swapped between timings); host bytes
+  per step, the PCIe floor of those bytes and the GB/s achieved;
 - GPU-only decode, Quest against dense, same sequences;
 - with --e2e-contexts: end-to-end prefill of one random prompt per length through --config's random weights,
   dense vs XAttention at --e2e-threshold (near-uniform attention: the threshold sets the density);
@@ -19,7 +19,7 @@
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
         [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--async-peer]
-        [--profile-kernels] [--rerank-peer N]
+        [--profile-kernels] [--rerank-peer N [--mass-peer]]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
     PYTHONPATH=. python3 bench/sparse.py --e2e-contexts 131072 [--e2e-threshold 0.2] --skip-prefill --skip-offload \
@@ -57,12 +57,13 @@ class DecodePeers:
     async_peer: bool = False  # the block selection with async scheduling (the next step launched first)
     profile_kernels: bool = False  # each peer's kernels logged
     rerank: int = 1  # > 1: page selection with quest_rerank at this factor too
+    mass: bool = False  # and with quest_rerank_score "mass"
 
 
 class Peer(NamedTuple):
     """One decode peer: Quest at `budget` (None: dense) selecting pages or blocks, through the ordered top
     kernel or top-k + sort, with synchronous or launched (async) steps, its candidates re-ranked by their keys
-    (quest_rerank) or not."""
+    (quest_rerank, by `score`) or not."""
 
     name: str
     budget: int | None
@@ -70,6 +71,7 @@ class Peer(NamedTuple):
     ordered: bool = True
     launched: bool = False
     rerank: int = 1
+    score: str = "max"
 
 
 HOT_SHARE = 0.08  # share of key blocks per KV head that carry its query direction
@@ -192,13 +194,15 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
     peers += [Peer(f"quest_pages_{b}_topk", b, pages=True, ordered=False) for b in budgets] if which.topk_peer else []
     peers += [Peer(f"quest_pages_{b}_rerank{which.rerank}", b, pages=True, rerank=which.rerank)
               for b in budgets] if which.rerank > 1 else []
-    for name, budget, page_select, ordered, launched, rerank in peers:
+    peers += [Peer(f"quest_pages_{b}_rerank{which.rerank}_mass", b, pages=True, rerank=which.rerank, score="mass")
+              for b in budgets] if which.rerank > 1 and which.mass else []
+    for name, budget, page_select, ordered, launched, rerank, score in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
             llm.runner.staged_decode = False  # offload: the eager split path, at the PCIe floor
         else:
             selector.token_budget, selector.page_select, selector.ordered_top = budget, page_select, ordered
-            selector.rerank = rerank
+            selector.rerank, selector.rerank_score = rerank, score
             llm.runner.set_block_selector(selector)
             llm.runner.recapture_decode_graphs()  # the narrowed decode graphs of this budget
         llm.config = replace(llm.config, async_scheduling=launched)  # the engine reads it each step
@@ -369,6 +373,8 @@ def main() -> None:
     ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
     ap.add_argument("--rerank-peer", type=int, default=1,
                     help="N > 1: page peers with quest_rerank=N too (candidates ranked by their keys)")
+    ap.add_argument("--mass-peer", action="store_true",
+                    help="with --rerank-peer: those peers with quest_rerank_score=mass too")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-gpu-only", action="store_true")
@@ -388,7 +394,8 @@ def main() -> None:
                     help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
     require_cuda()
-    which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer)
+    which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer,
+                        args.mass_peer)
     results: dict = {}
     if not args.skip_prefill:
         results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride, args.cover) for c in args.contexts]
