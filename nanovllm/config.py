@@ -153,7 +153,8 @@ class EngineConfig:
         _positive_int("quest_token_budget", self.quest_token_budget)
         _positive_int("quest_rerank", self.quest_rerank)
         if self.quest_rerank_score not in QUEST_RERANK_SCORES:
-            raise ValueError(f"quest_rerank_score must be one of {QUEST_RERANK_SCORES}, got {self.quest_rerank_score!r}")
+            raise ValueError(f"quest_rerank_score must be one of {QUEST_RERANK_SCORES}, "
+                             f"got {self.quest_rerank_score!r}")
         if not isinstance(self.quest_page_select, bool):
             raise ValueError(f"quest_page_select must be a bool, got {self.quest_page_select!r}")
         for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):

@@ -49,7 +49,8 @@ def test_mass_rerank_keeps_what_the_refine_rule_keeps(seed, monkeypatch):
             selector = QuestSelector(step.bounds, token_budget=budget, dense_layers=0, min_context=0, page_select=True,
                                      rerank=2, device_keys=step.cache.data[0],
                                      host_keys=step.pool.host[0] if offload else None, rerank_score=score)
-            keeps[score, offload] = selector.decode_keep(0, step.q, PAGE_HK, layout, torch.zeros(4, dtype=torch.int64))[0]
+            reads = torch.zeros(4, dtype=torch.int64)
+            keeps[score, offload] = selector.decode_keep(0, step.q, PAGE_HK, layout, reads)[0]
         if not offload:
             monkeypatch.setattr(QuestSelector, "batch_block_scores", rule_scores("refine 2x"))
             selector = QuestSelector(step.bounds, token_budget=budget, dense_layers=0, min_context=0, page_select=True,

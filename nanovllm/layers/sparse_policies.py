@@ -61,7 +61,7 @@ class QuestSelector(BlockSelector):
         runs one compiled variant of the top kernel, which warm_up() compiles. rerank: candidates per kept
         column, ranked by their keys: device_keys [layers, blocks, block_size, Hk, D] (the device pool's; needed
         when rerank > 1) and host_keys [layers, host blocks, block_size, Hk, D] for host blocks. rerank_score:
-        "max" (a candidate's largest q . k) or "mass" (its softmax mass, `_rerank_scores`)."""
+        "max" (a candidate's largest q . k) or "mass" (its softmax mass, `_mass_scores`)."""
         self.bounds = bounds
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
@@ -171,7 +171,7 @@ class QuestSelector(BlockSelector):
         _, _, num_kv_heads, head_dim = self.bounds.min.shape
         block_size = self.bounds.block_size
         # rerank: the candidates' keys gathered (twice with host blocks) and in float32, their scores; "mass" also
-        # the sink and recent columns' keys and each query head's (bounded by head_dim) log-sum-exp and mass
+        # the sink and recent columns' keys and per query head a log-sum-exp and a mass (group <= head_dim)
         columns, mass = self.rerank * self._budget(block_size), self.rerank_score == "mass"
         if mass:
             columns += (self.sink_blocks + self.recent_blocks) * (block_size // self.decode_page_size(block_size))
@@ -204,10 +204,12 @@ class QuestSelector(BlockSelector):
         candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
         if rows is not None:
             candidates = candidates.masked_fill(~rows, -1)
-        fixed = torch.cat([kept[..., :sink], kept[..., sink + wide :]], -1)
-        if rows is not None:
-            fixed = fixed.masked_fill(~rows, -1)
-        exact = self._rerank_scores(layer, q, layout, candidates, fixed, page_size, key_reads)
+        if self.rerank_score == "mass":  # the kept sink and recent columns are the softmax's other terms
+            fixed = torch.cat([kept[..., :sink], kept[..., sink + wide :]], -1)
+            fixed = fixed if rows is None else fixed.masked_fill(~rows, -1)
+            exact = self._mass_scores(layer, q, layout, candidates, fixed, page_size, key_reads)
+        else:
+            exact = self.candidate_scores(layer, q, layout, candidates, page_size, key_reads)
         chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, self._rerank_chunk(layout.block_size))
         best = candidates.gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, -1)
         return torch.cat([kept[..., :sink], best, kept[..., sink + wide :]], -1)
@@ -220,14 +222,12 @@ class QuestSelector(BlockSelector):
             return ordered_top_columns(scores, ends, sink, budget, recent, chunk)
         return quest_top_reference(scores, ends, sink, budget, recent)
 
-    def _rerank_scores(self, layer: int, q: torch.Tensor, layout: DecodeLayout, candidates: torch.Tensor,
-                       fixed: torch.Tensor, column_size: int, key_reads: torch.Tensor | None) -> torch.Tensor:
-        """[B, Hk, N] the rerank's scores of candidates [B, Hk, N] (-1: none, -inf out). "max": each one's largest
-        q . k; "mass": each query head's softmax (scaled by 1/sqrt(D)) over the keys of the candidates and of the
-        kept sink and recent columns fixed [B, Hk, F], summed over a candidate's keys, the maximum over the KV
-        head's query heads (the fixed columns' keys are read besides the candidates', and counted)."""
-        if self.rerank_score == "max":
-            return self.candidate_scores(layer, q, layout, candidates, column_size, key_reads)
+    def _mass_scores(self, layer: int, q: torch.Tensor, layout: DecodeLayout, candidates: torch.Tensor,
+                     fixed: torch.Tensor, column_size: int, key_reads: torch.Tensor | None) -> torch.Tensor:
+        """[B, Hk, N] rerank_score "mass" of candidates [B, Hk, N] (-1: none, -inf out): each query head's softmax
+        (scaled by 1/sqrt(D)) over the keys of the candidates and of the kept sink and recent columns fixed
+        [B, Hk, F], summed over a candidate's keys, the maximum over the KV head's query heads (the fixed
+        columns' keys are read besides the candidates', and counted)."""
         columns = torch.cat([candidates, fixed], -1)
         lse = self.candidate_scores(layer, q, layout, columns, column_size, key_reads, head_lse=True)
         mass = (lse - lse.logsumexp(-1, keepdim=True)).exp().nan_to_num(0.0)  # a row without keys: nan
