@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from nanovllm.config import QUEST_RERANK_SCORES
 from nanovllm.layers.block_metadata import BlockKeyBounds
 from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput
 
@@ -74,8 +75,8 @@ class QuestSelector(BlockSelector):
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
         if rerank > 1 and device_keys is None:
             raise ValueError(f"rerank={rerank} ranks candidates by their keys: device_keys is needed")
-        if rerank_score not in ("max", "mass"):
-            raise ValueError(f"rerank_score must be 'max' or 'mass', got {rerank_score!r}")
+        if rerank_score not in QUEST_RERANK_SCORES:
+            raise ValueError(f"rerank_score must be one of {QUEST_RERANK_SCORES}, got {rerank_score!r}")
 
     def select(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput) -> Selection | None:
         if layer < self.dense_layers:
