@@ -179,6 +179,47 @@ def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
 
+def test_selector_steps_add_a_longer_row_only_where_the_selector_needs_one():
+    from nanovllm.engine.warm_up import mixed_step_layouts, selector_step_layouts
+
+    assert selector_step_layouts(32768, 0) == mixed_step_layouts(32768)
+    assert selector_step_layouts(32768, 8192) == mixed_step_layouts(32768)  # the lone longer row has 8,192 keys
+    assert selector_step_layouts(32768, 8704)[-1] == ([32, 1], [32, 8704])
+    assert selector_step_layouts(8192, 8704) == mixed_step_layouts(8192)  # none longer than a sequence can be
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_start_up_steps_narrow_a_row_past_a_large_budget(tmp_path, offload):
+    """A budget that none of the start-up mixed steps' rows exceeds (8,192 tokens past the 8,192-key longest
+    row): a further start-up step beside a longer row, so that Quest's scores and rerank still run (a Qwen
+    RULER run at that budget compiled both kernels on the request path)."""
+    from nanovllm import LLM
+    from nanovllm.engine.warm_up import compile_step_variants, mixed_step_layouts
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "long", "llama", max_position_embeddings=16384)
+    llm = LLM(str(model), device="cpu", kvcache_block_size=32, num_gpu_blocks=8 if offload else 400,
+              max_num_batched_tokens=64, enable_cpu_offload=offload, sparse_policy="quest",
+              quest_token_budget=8192, quest_dense_layers=0)
+    selector = llm.runner.worker.selector
+    longest = max(max(seq_lens) for _, seq_lens in mixed_step_layouts(16384))
+    assert not any(selector.sparse_rows(32, [longest]))  # the mixed steps alone would not narrow
+    calls = {"scores": [], "rerank": 0}
+    scores, rerank = selector.batch_block_scores, selector.candidate_scores
+
+    def counting_scores(layer, q, num_kv_heads, layout, pages=False):
+        calls["scores"].append(int(layout.seq_lens.max()))
+        return scores(layer, q, num_kv_heads, layout, pages)
+
+    def counting_rerank(*args, **kwargs):
+        calls["rerank"] += 1
+        return rerank(*args, **kwargs)
+    selector.batch_block_scores, selector.candidate_scores = counting_scores, counting_rerank
+    compile_step_variants(llm.runner.worker)
+    assert calls["scores"] and min(calls["scores"]) == selector.warm_up_row(32) == 3 * 32 + 8192
+    assert calls["rerank"] > 0
+
+
 def split_variant(splits: int) -> str:
     """The decode kernel's variant for a split count: written directly (one), or merged by the merge kernel
     padded to 16 or to 64 splits (triton_paged_attention.paged_decode_attention)."""

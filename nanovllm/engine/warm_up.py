@@ -50,6 +50,18 @@ def mixed_step_layouts(max_model_len: int) -> list[tuple[list[int], list[int]]]:
     return layouts + ([([prefill, 1], [prefill, longer])] if longer > long_row else [])
 
 
+def selector_step_layouts(max_model_len: int, selector_row: int) -> list[tuple[list[int], list[int]]]:
+    """The start-up mixed steps through a sparse policy's own selector: mixed_step_layouts and, where the selector
+    narrows only rows longer than theirs (`BlockSelector.warm_up_row`), a prefill chunk beside such a row (Quest
+    at a budget of 8,192 compiled its scores and rerank kernels on the request path of a Qwen RULER run)."""
+    layouts = mixed_step_layouts(max_model_len)
+    row = min(max_model_len - 1, selector_row)
+    if row <= max(max(seq_lens[1:]) for _, seq_lens in layouts):
+        return layouts
+    prefill = layouts[0][0][0]
+    return layouts + [([prefill, 1], [prefill, row])]
+
+
 def decode_step_layouts(max_model_len: int) -> list[tuple[list[int], list[int]]]:
     """(query_lens, seq_lens) of start-up pure decode steps, for the steps no decode graph runs (an engine
     without graphs, an offload engine's steps over host blocks): one short row (one split, written directly),
@@ -89,8 +101,12 @@ def compile_step_variants(worker) -> None:
     if not worker.selector.dense:  # a sparse policy's steps attend over per-KV-head tables: other variants
         for query_lens, seq_lens in layouts:
             _mixed_step(worker, query_lens, seq_lens, EveryBlockPerHead())
-        with worker.selector.selecting_at_any_length():  # and its own kernels (scores, top, rerank, estimate),
-            for query_lens, seq_lens in layouts:  # counting what they read (the rerank's host-read variant)
+        # and its own kernels (scores, top, rerank, estimate), counting what they read (the rerank's host-read
+        # variant), over rows it narrows
+        row = worker.selector.warm_up_row(worker.block_size)
+        selector_layouts = selector_step_layouts(worker.config.max_model_len, row)
+        with worker.selector.selecting_at_any_length():
+            for query_lens, seq_lens in selector_layouts:
                 _mixed_step(worker, query_lens, seq_lens, worker.selector, SparseStats(len(query_lens)))
         worker.selector.warm_up(worker.kv_cache.layer(0)[0].shape[2], worker.device)
     config = worker.config

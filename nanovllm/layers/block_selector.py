@@ -192,6 +192,11 @@ class BlockSelector(ABC):
         """Compiles at start-up the kernel variants the selector's own kernels would otherwise compile on a
         request's first step (the engine's warm-up runs the attention variants)."""
 
+    def warm_up_row(self, block_size: int) -> int:
+        """Keys of a decode row long enough for every one of the selector's kernels to run on it in the start-up
+        steps (0: any row)."""
+        return 0
+
     @contextlib.contextmanager
     def selecting_at_any_length(self) -> Iterator[None]:
         """For the engine's start-up steps through this selector: rows shorter than the policy's minimum

@@ -101,6 +101,11 @@ class QuestSelector(BlockSelector):
     def selecting_at_any_length(self) -> contextlib.AbstractContextManager[None]:
         return _min_context_zero(self)
 
+    def warm_up_row(self, block_size: int) -> int:
+        """A row whose middle (between the sink and recent blocks) holds more than the budget: it is narrowed,
+        scored and reranked."""
+        return (self.sink_blocks + self.recent_blocks + 1) * block_size + self.token_budget
+
     def sparse_rows(self, block_size: int, seq_lens: list[int]) -> list[bool]:
         """Which decode rows drop blocks (pages): long enough, and with more of them between the sink and
         the recent blocks than the budget keeps."""
@@ -713,6 +718,9 @@ class PrefillDecodeSelector(BlockSelector):
 
     def narrow(self, layer, q, num_kv_heads, layout, key_reads=None):
         return self.decode.narrow(layer, q, num_kv_heads, layout, key_reads)
+
+    def warm_up_row(self, block_size) -> int:
+        return max(self.prefill.warm_up_row(block_size), self.decode.warm_up_row(block_size))
 
     def warm_up(self, num_kv_heads, device) -> None:
         self.prefill.warm_up(num_kv_heads, device)
