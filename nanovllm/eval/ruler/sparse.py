@@ -16,11 +16,13 @@ policy or length, as bench/device/sparse_table.sh runs them) make one table agai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
 from pathlib import Path
 
+from nanovllm.config import EngineConfig
 from nanovllm.engine_args import engine_options, run_command
 from nanovllm.eval.ruler.run import add_ruler_arguments, run_ruler, samples_from_file
 from nanovllm.eval.ruler.tasks import resolve_tasks
@@ -55,6 +57,16 @@ def sparse_table(results: dict[str, dict], reference: str = "full", worst: int =
     return "\n".join(lines)
 
 
+def run_name(policy: str, options: dict) -> str:
+    """A table row's name: the policy, and its own options given apart from the engine's defaults (xattn_* for
+    XAttention, quest_* for Quest), so that runs of one policy with other options are rows of their own."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    prefixes = tuple(prefix for name, prefix in (("xattention", "xattn_"), ("quest", "quest_")) if name in policy)
+    changed = [f"{k}={v}" for k, v in sorted(options.items()) if prefixes and k.startswith(prefixes)
+               and v != defaults.get(k)]
+    return policy + (f" [{', '.join(changed)}]" if changed else "")
+
+
 def merge_results(parts: list[dict[str, dict]]) -> dict[str, dict]:
     """One {policy: result} from several (sparse.json files of runs made apart, each of some policies and
     lengths): per policy its lengths' summaries, task cells and attention figures together, "full" first;
@@ -75,7 +87,7 @@ def merge_results(parts: list[dict[str, dict]]) -> dict[str, dict]:
     for result in merged.values():  # lengths in order, whichever run brought them
         result["attention"] = by_length(result["attention"])
         result["summary"]["lengths"] = by_length(result["summary"]["lengths"])
-    return dict(sorted(merged.items(), key=lambda item: POLICIES.index(item[0])))
+    return dict(sorted(merged.items(), key=lambda item: (POLICIES.index(item[0].split(" [")[0]), item[0])))
 
 
 def combine(files: list[str], output: str | None) -> str:
@@ -111,7 +123,7 @@ def run_policies(args: argparse.Namespace) -> dict[str, dict]:
         result = run_ruler(llm, args.lengths, tasks, args.samples, out / policy.replace("+", "_"), args.template,
                            use_tqdm=not args.no_progress, seed=args.data_seed, samples_file=args.samples_file,
                            generator=args.generator)
-        results[policy] = {k: result[k] for k in ("summary", "attention", "timings")}
+        results[run_name(policy, options)] = {k: result[k] for k in ("summary", "attention", "timings")}
         llm.shutdown()
         del llm
         gc.collect()
