@@ -2,9 +2,11 @@
 8 KV heads, head_dim 128, 256-token blocks of 16-token pages, bf16 bounds); print the bounds' bytes
 read per call over the kernel time as a fraction of the measured HBM copy bandwidth. Then the ordered
 top kernel on page scores of the same shapes (budget 2048 tokens = 128 pages, sink and recent block's
-pages) against top-k + sort (the reference), same results checked.
+pages) against top-k + sort (the reference), same results checked. With --candidates instead: the rerank's
+candidate kernel (quest_rerank=2 at budget 2048: 256 candidate pages per KV head, their keys read from the
+device pool) over its launch options, the candidates' key bytes over the kernel time as a fraction of HBM.
 
-    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only]
+    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only | --candidates]
 """
 from __future__ import annotations
 
@@ -37,8 +39,12 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--top-only", action="store_true", help="only the ordered top kernel")
+    ap.add_argument("--candidates", action="store_true", help="only the rerank's candidate kernel")
     args = ap.parse_args()
     require_cuda()
+    if args.candidates:
+        save_results("tune_quest_candidates", sweep_candidates(args))
+        return
     results = [time_top(batch, context) for batch, context in itertools.product(args.batches, args.contexts)]
     if not args.top_only:
         results += sweep_scores(args)
@@ -82,6 +88,44 @@ def sweep_scores(args) -> list[dict]:
             log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
                 f"{default['ms'] / r['ms']:.2f}x the default")
         results.append(dict(kernel="quest_scores", batch=batch, context=context, bytes=nbytes, rows=rows))
+    return results
+
+
+def candidate_inputs(batch: int, context: int, count: int) -> tuple:
+    """A device pool holding batch sequences of context keys in shuffled blocks; per KV head `count` distinct
+    page positions of its sequence, ascending (as narrow() passes them)."""
+    blocks = -(-context // BLOCK)
+    keys = torch.randn(batch * blocks, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
+    seq_lens = torch.full((batch,), context, dtype=torch.int64, device="cuda")
+    pages = -(-context // PAGE)
+    candidates = torch.rand(batch, KV_HEADS, pages, device="cuda").argsort(-1)[..., :count].sort(-1).values
+    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    nbytes = batch * KV_HEADS * count * PAGE * DIM * keys.element_size()
+    return (q, keys, None, tables, seq_lens, candidates.contiguous(), BLOCK, PAGE, None), nbytes
+
+
+def sweep_candidates(args, budget_tokens: int = 2048, rerank: int = 2) -> list[dict]:
+    bandwidth = measure_hbm_bandwidth()
+    results = []
+    for batch, context in itertools.product(args.batches, args.contexts):
+        call, nbytes = candidate_inputs(batch, context, rerank * budget_tokens // PAGE)
+        want = triton_quest.candidate_max_scores(*call)
+        rows = []
+        for per_program, warps in itertools.product([4, 8, 16], [4, 8]):
+            launch = dict(candidates_per_program=per_program, num_warps=warps)
+            torch.testing.assert_close(triton_quest.candidate_max_scores(*call, **launch), want)
+            ms = cuda_ms(lambda: triton_quest.candidate_max_scores(*call, **launch))
+            rows.append(dict(launch=launch, ms=ms, hbm_fraction=nbytes / (ms / 1e3) / bandwidth))
+        rows.sort(key=lambda r: r["ms"])
+        default = next(r for r in rows if r["launch"] == dict(candidates_per_program=8,
+                                                                num_warps=triton_quest.CANDIDATE_WARPS))
+        log(f"candidates, batch {batch} x {context}: keys {nbytes / 1e6:.0f} MB; default {default['ms'] * 1e3:.0f} us "
+            f"({default['hbm_fraction']:.2f} of HBM)")
+        for r in rows[:3]:
+            log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
+                f"{default['ms'] / r['ms']:.2f}x the default")
+        results.append(dict(kernel="candidate_max", batch=batch, context=context, bytes=nbytes, rows=rows))
     return results
 
 

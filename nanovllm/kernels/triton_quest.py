@@ -215,6 +215,9 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     return out
 
 
+CANDIDATE_WARPS = 8  # the candidate kernel's 128 x head_dim key tile without register spills (ptxas, sm_90)
+
+
 # candidate counts (and the output's strides with them) and table widths vary by step
 @triton.jit(do_not_specialize=["num_candidates", "stride_tb", "stride_ob", "stride_oh", "stride_og"])
 def _candidate_max_kernel(
@@ -229,50 +232,58 @@ def _candidate_max_kernel(
     before the sequence's end and the KV head's query heads, -inf for none (HEAD_LSE: each query head's
     log-sum-exp of q . k * qk_scale over those keys instead, at out_ptr + head * stride_og); keys of host blocks
     (table entries >= base) read host_delta elements away, from pinned memory in place (COUNT_HOST: their
-    candidates added to reads_ptr[sequence])."""
+    candidates added to reads_ptr[sequence]). The run's keys come as one tile of CANDIDATES x TOKENS rows per
+    TOKENS of a column (every candidate's table entry and keys loaded at once, not one candidate after another)
+    and meet the query heads in one matrix product (GROUP_PAD >= 16 rows, the padding zero)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    t = tl.arange(0, TOKENS)
+    c = tl.arange(0, CANDIDATES)
     q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None], other=0.0).to(tl.float32)
-    host_reads = 0
-    for i in range(CANDIDATES):
-        n = tl.program_id(2) * CANDIDATES + i
-        in_range = n < num_candidates
-        col = tl.load(cand_ptr + b * stride_cb + h * stride_ch + n, mask=in_range, other=-1)
-        valid = col >= 0
-        col = tl.maximum(col, 0)
-        block_col = col // PER_BLOCK
-        entry = tl.load(tables_ptr + b * stride_tb + block_col, mask=valid, other=0)
-        on_host = entry >= base
-        host_reads += (valid & on_host).to(tl.int32)
-        block = tl.where(on_host, entry - base, entry)
-        best = tl.full([], float("-inf"), tl.float32)
-        head_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # HEAD_LSE: running max and sum per head
-        head_sum = tl.zeros([GROUP_PAD], tl.float32)
-        for start in tl.static_range(0, COLUMN, TOKENS):
-            token = (col % PER_BLOCK) * COLUMN + start + t
-            ok = valid & (block_col * BLOCK_SIZE + token < seq_len)
-            offsets = block * stride_kb + token[:, None] * stride_kt + h * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offsets + tl.where(on_host, host_delta, 0), mask=ok[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [group, tokens]
-            s = tl.where((g < GROUP)[:, None] & ok[None, :], s, float("-inf"))
-            if HEAD_LSE:
-                s = s * qk_scale
-                new_max = tl.maximum(head_max, tl.max(s, axis=1))
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: nothing to rescale
-                head_sum = head_sum * tl.exp(head_max - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
-                head_max = new_max
-            else:
-                best = tl.maximum(best, tl.max(tl.max(s, axis=1), axis=0))
+                mask=(g < GROUP)[:, None], other=0.0)
+    first = tl.program_id(2) * CANDIDATES
+    cand_row = cand_ptr + b * stride_cb + h * stride_ch + first
+    n = first + c
+    col = tl.load(cand_row + c, mask=n < num_candidates, other=-1)
+    entry = tl.load(tables_ptr + b * stride_tb + tl.maximum(col, 0) // PER_BLOCK, mask=col >= 0, other=0)
+    host_reads = tl.sum(((col >= 0) & (entry >= base)).to(tl.int32), 0)
+    # the same per key row of the tile (row r: candidate r // TOKENS), loaded again (cached) rather than gathered
+    r = tl.arange(0, CANDIDATES * TOKENS)
+    row_col = tl.load(cand_row + r // TOKENS, mask=first + r // TOKENS < num_candidates, other=-1)
+    row_valid = row_col >= 0
+    row_col = tl.maximum(row_col, 0)
+    row_block_col = row_col // PER_BLOCK
+    row_entry = tl.load(tables_ptr + b * stride_tb + row_block_col, mask=row_valid, other=0)
+    row_on_host = row_entry >= base
+    row_base = tl.where(row_on_host, row_entry - base, row_entry) * stride_kb + tl.where(row_on_host, host_delta, 0)
+    best = tl.full([CANDIDATES], float("-inf"), tl.float32)
+    head_max = tl.full([GROUP_PAD, CANDIDATES], float("-inf"), tl.float32)  # HEAD_LSE: running max and sum
+    head_sum = tl.zeros([GROUP_PAD, CANDIDATES], tl.float32)
+    for start in tl.static_range(0, COLUMN, TOKENS):
+        token = (row_col % PER_BLOCK) * COLUMN + start + r % TOKENS
+        ok = row_valid & (row_block_col * BLOCK_SIZE + token < seq_len)
+        k = tl.load(k_ptr + row_base[:, None] + token[:, None] * stride_kt + h * stride_kh + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GROUP_PAD, CANDIDATES * TOKENS]
+        s = tl.where((g < GROUP)[:, None] & ok[None, :], s, float("-inf"))
+        s = tl.reshape(s, [GROUP_PAD, CANDIDATES, TOKENS])
         if HEAD_LSE:
-            lse = head_max + tl.log(tl.where(head_sum > 0, head_sum, 1.0))  # -inf where no key
-            tl.store(out_ptr + b * stride_ob + h * stride_oh + g * stride_og + n, lse, mask=(g < GROUP) & in_range)
+            s = s * qk_scale
+            new_max = tl.maximum(head_max, tl.max(s, axis=2))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: nothing to rescale
+            head_sum = head_sum * tl.exp(head_max - shift) + tl.sum(tl.exp(s - shift[:, :, None]), axis=2)
+            head_max = new_max
         else:
-            tl.store(out_ptr + b * stride_ob + h * stride_oh + n, best, mask=in_range)
+            best = tl.maximum(best, tl.max(tl.max(s, axis=2), axis=0))
+    out = out_ptr + b * stride_ob + h * stride_oh
+    if HEAD_LSE:
+        lse = head_max + tl.log(tl.where(head_sum > 0, head_sum, 1.0))  # -inf where no key
+        in_range = (g < GROUP)[:, None] & (n < num_candidates)[None, :]
+        tl.store(out + g[:, None] * stride_og + n[None, :], lse, mask=in_range)
+    else:
+        tl.store(out + n, best, mask=n < num_candidates)
     if COUNT_HOST:
         tl.atomic_add(reads_ptr + b * stride_r, host_reads.to(tl.int64))
 
@@ -280,7 +291,8 @@ def _candidate_max_kernel(
 def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.Tensor | None, tables: torch.Tensor,
                          seq_lens: torch.Tensor, candidates: torch.Tensor, block_size: int, column_size: int,
                          base: int | None, candidates_per_program: int = 8,
-                         key_reads: torch.Tensor | None = None, head_lse: bool = False) -> torch.Tensor:
+                         key_reads: torch.Tensor | None = None, head_lse: bool = False,
+                         num_warps: int = CANDIDATE_WARPS) -> torch.Tensor:
     """[B, Hk, N] float32: `QuestSelector.candidate_scores` (its reference) in one launch. q [B, Hq, D]; keys [blocks,
     block_size, Hk, D] one layer's device pool, host_keys the host pool's (pinned, read in place; table entries
     >= base of tables [B, W]); candidates [B, Hk, N] column positions of column_size tokens (-1: none);
@@ -292,6 +304,8 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
         raise ValueError("host keys need the device pool's dtype and strides")
     if candidates.stride(-1) != 1:
         raise ValueError("candidates must have contiguous rows")
+    if candidates_per_program & (candidates_per_program - 1):
+        raise ValueError(f"candidates_per_program must be a power of two, got {candidates_per_program}")
     host_delta = (host_keys.data_ptr() - keys.data_ptr()) // keys.element_size() if host_keys is not None else 0
     group = num_heads // num_kv_heads
     out = torch.empty(batch, num_kv_heads, *([group] if head_lse else []), count, dtype=torch.float32,
@@ -303,8 +317,9 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
         candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1), out.stride(2) if head_lse else 0,
         key_reads.stride(0) if key_reads is not None else 0,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, COLUMN=column_size,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, COLUMN=column_size,
         PER_BLOCK=block_size // column_size, BLOCK_SIZE=block_size, CANDIDATES=candidates_per_program,
         TOKENS=min(column_size, 16), COUNT_HOST=key_reads is not None and host_keys is not None, HEAD_LSE=head_lse,
+        num_warps=num_warps,
     )
     return out
