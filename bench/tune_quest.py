@@ -65,28 +65,36 @@ def time_top(batch: int, context: int, budget_tokens: int = 2048) -> dict:
     return dict(kernel="ordered_top", batch=batch, context=context, ms=ms)
 
 
+def time_launches(fn, call: tuple, launches: list[dict], default: dict, nbytes: int, bandwidth: float, label: str,
+                  **close) -> list[dict]:
+    """fn(*call, **launch) for each launch option, checked against the default's result and timed: the rows by
+    time (bytes over time as a fraction of HBM), the default and the best four logged."""
+    want = fn(*call, **default)
+    rows = []
+    for launch in launches:
+        torch.testing.assert_close(fn(*call, **launch), want, **close)
+        ms = cuda_ms(lambda: fn(*call, **launch))
+        rows.append(dict(launch=launch, ms=ms, hbm_fraction=nbytes / (ms / 1e3) / bandwidth))
+    rows.sort(key=lambda r: r["ms"])
+    first = next(r for r in rows if r["launch"] == default)
+    log(f"{label}: {nbytes / 1e6:.0f} MB; default {first['ms'] * 1e3:.0f} us ({first['hbm_fraction']:.2f} of HBM)")
+    for r in rows[:4]:
+        log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
+            f"{first['ms'] / r['ms']:.2f}x the default")
+    return rows
+
+
 def sweep_scores(args) -> list[dict]:
     bandwidth = measure_hbm_bandwidth()
+    default = dict(blocks_per_program=triton_quest.BLOCKS_PER_PROGRAM, num_warps=triton_quest.NUM_WARPS,
+                   use_dot=triton_quest.USE_DOT)
+    launches = [dict(blocks_per_program=blocks, num_warps=warps, use_dot=dot)
+                for blocks, warps, dot in itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [True, False])]
     results = []
     for batch, context in itertools.product(args.batches, args.contexts):
         call, nbytes = inputs(batch, context)
-        want = triton_quest.quest_block_scores(*call)
-        rows = []
-        for blocks, warps, dot in itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [True, False]):
-            launch = dict(blocks_per_program=blocks, num_warps=warps, use_dot=dot)
-            got = triton_quest.quest_block_scores(*call, **launch)
-            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
-            ms = cuda_ms(lambda: triton_quest.quest_block_scores(*call, **launch))
-            rows.append(dict(launch=launch, ms=ms, hbm_fraction=nbytes / (ms / 1e3) / bandwidth))
-        rows.sort(key=lambda r: r["ms"])
-        default = next(r for r in rows if r["launch"] == dict(blocks_per_program=triton_quest.BLOCKS_PER_PROGRAM,
-                                                                num_warps=triton_quest.NUM_WARPS,
-                                                                use_dot=triton_quest.USE_DOT))
-        log(f"batch {batch} x {context}: bounds {nbytes / 1e6:.0f} MB; default {default['ms'] * 1e3:.0f} us "
-            f"({default['hbm_fraction']:.2f} of HBM)")
-        for r in rows[:4]:
-            log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
-                f"{default['ms'] / r['ms']:.2f}x the default")
+        rows = time_launches(triton_quest.quest_block_scores, call, launches, default, nbytes, bandwidth,
+                             f"batch {batch} x {context}: bounds", atol=1e-2, rtol=1e-3)
         results.append(dict(kernel="quest_scores", batch=batch, context=context, bytes=nbytes, rows=rows))
     return results
 
@@ -107,24 +115,13 @@ def candidate_inputs(batch: int, context: int, count: int) -> tuple:
 
 def sweep_candidates(args, budget_tokens: int = 2048, rerank: int = 2) -> list[dict]:
     bandwidth = measure_hbm_bandwidth()
+    default = dict(candidates_per_program=8, num_warps=triton_quest.CANDIDATE_WARPS)
+    launches = [dict(candidates_per_program=n, num_warps=w) for n, w in itertools.product([4, 8, 16], [4, 8])]
     results = []
     for batch, context in itertools.product(args.batches, args.contexts):
         call, nbytes = candidate_inputs(batch, context, rerank * budget_tokens // PAGE)
-        want = triton_quest.candidate_max_scores(*call)
-        rows = []
-        for per_program, warps in itertools.product([4, 8, 16], [4, 8]):
-            launch = dict(candidates_per_program=per_program, num_warps=warps)
-            torch.testing.assert_close(triton_quest.candidate_max_scores(*call, **launch), want)
-            ms = cuda_ms(lambda: triton_quest.candidate_max_scores(*call, **launch))
-            rows.append(dict(launch=launch, ms=ms, hbm_fraction=nbytes / (ms / 1e3) / bandwidth))
-        rows.sort(key=lambda r: r["ms"])
-        default = next(r for r in rows if r["launch"] == dict(candidates_per_program=8,
-                                                                num_warps=triton_quest.CANDIDATE_WARPS))
-        log(f"candidates, batch {batch} x {context}: keys {nbytes / 1e6:.0f} MB; default {default['ms'] * 1e3:.0f} us "
-            f"({default['hbm_fraction']:.2f} of HBM)")
-        for r in rows[:3]:
-            log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
-                f"{default['ms'] / r['ms']:.2f}x the default")
+        rows = time_launches(triton_quest.candidate_max_scores, call, launches, default, nbytes, bandwidth,
+                             f"candidates, batch {batch} x {context}: keys")
         results.append(dict(kernel="candidate_max", batch=batch, context=context, bytes=nbytes, rows=rows))
     return results
 
