@@ -81,6 +81,28 @@ def test_no_compilation_on_the_request_path(tiny_llama, policy, offload):
     assert [e.signature for e in WATCH.request_path_events()[seen:]] == []
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
+def test_no_compilation_on_the_request_path_at_a_large_quest_budget(tmp_path, offload):
+    """A Quest budget past the start-up's longest row (8,192 tokens): its scores and rerank kernels are still
+    compiled at start-up (a Qwen RULER run at that budget compiled both on the request path)."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.kernels.compile_watch import WATCH
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "long", "llama", max_position_embeddings=16384)
+    pool = dict(num_gpu_blocks=16, enable_cpu_offload=True, cpu_kv_cache_gb=0.05) if offload else \
+        dict(num_gpu_blocks=1200)
+    llm = LLM(str(model), device="cuda", kvcache_block_size=16, max_num_batched_tokens=2048, **pool,
+              sparse_policy="quest", quest_token_budget=8192, quest_dense_layers=0)
+    seen = len(WATCH.request_path_events())
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(8400 + 50 * i)] for i in range(2)]  # narrowed rows
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(o.metrics.decode_density < 1.0 for o in out)
+    assert [e.signature for e in WATCH.request_path_events()[seen:]] == []
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
 def test_start_up_mixed_step_leaves_the_engine_as_it_was(tiny_llama, offload):
     """compile_step_variants (run at start-up on CUDA) on a CPU engine: same greedy and seeded outputs after it,
