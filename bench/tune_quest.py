@@ -7,6 +7,7 @@ candidate kernel (quest_rerank=2 at budget 2048: 256 candidate pages per KV head
 device pool) over its launch options, the candidates' key bytes over the kernel time as a fraction of HBM.
 
     PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only | --candidates]
+        [--top-width 131072]
 """
 from __future__ import annotations
 
@@ -40,29 +41,46 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--top-only", action="store_true", help="only the ordered top kernel")
     ap.add_argument("--candidates", action="store_true", help="only the rerank's candidate kernel")
+    ap.add_argument("--top-width", type=int, default=None,
+                    help="the top kernel's rows as wide as this context's pages (a narrowed graph's width at this "
+                         "max_model_len), the rows' own ends at --contexts; chunked peers besides the engine's "
+                         "one-pass chunk")
     args = ap.parse_args()
     require_cuda()
     if args.candidates:
         save_results("tune_quest_candidates", sweep_candidates(args))
         return
-    results = [time_top(batch, context) for batch, context in itertools.product(args.batches, args.contexts)]
+    results = [time_top(batch, context, args.top_width)
+               for batch, context in itertools.product(args.batches, args.contexts)]
     if not args.top_only:
         results += sweep_scores(args)
     save_results("tune_quest", results)
 
 
-def time_top(batch: int, context: int, budget_tokens: int = 2048) -> dict:
-    """Quest's page selection of one layer: the ordered top kernel against top-k + sort."""
+def time_top(batch: int, context: int, width_context: int | None = None, budget_tokens: int = 2048) -> dict:
+    """Quest's page selection of one layer: the ordered top kernel (at the engine's chunk for rows of
+    width_context, and, for rows narrower than that, in chunks of 1,024 and 2,048 read up to each row's end)
+    against top-k + sort."""
     per_block, columns = BLOCK // PAGE, -(-context // BLOCK) * (BLOCK // PAGE)
-    scores = torch.randn(batch, KV_HEADS, columns, device="cuda")
+    width = max(columns, -(-(width_context or context) // BLOCK) * per_block)
+    scores = torch.randn(batch, KV_HEADS, width, device="cuda")
+    scores[..., columns:] = float("-inf")
     ends = torch.full((batch,), columns, dtype=torch.int64, device="cuda")
     call = (scores, ends, per_block, budget_tokens // PAGE, per_block)
-    assert torch.equal(triton_quest.ordered_top_columns(*call), quest_top_reference(*call))
-    ms = {"columns": cuda_ms(lambda: triton_quest.ordered_top_columns(*call)),
-          "topk_sort": cuda_ms(lambda: quest_top_reference(*call))}
-    log(f"ordered top, {batch} x {context} ({columns} page columns, budget {budget_tokens // PAGE}): "
-        f"{ms['columns'] * 1e3:.1f} us, top-k + sort {ms['topk_sort'] * 1e3:.1f} us ({ms['topk_sort'] / ms['columns']:.2f}x)")
-    return dict(kernel="ordered_top", batch=batch, context=context, ms=ms)
+    want = quest_top_reference(*call)
+    chunks = {"columns": triton_quest.ordered_top_chunk(width)}
+    if width > columns:
+        chunks.update(chunked_1024=1024, chunked_2048=2048)
+    ms = {}
+    for name, chunk in chunks.items():
+        assert torch.equal(triton_quest.ordered_top_columns(*call, chunk), want)
+        ms[name] = cuda_ms(lambda: triton_quest.ordered_top_columns(*call, chunk))
+    ms["topk_sort"] = cuda_ms(lambda: quest_top_reference(*call))
+    peers = ", ".join(f"{name} {t * 1e3:.1f} us ({ms['columns'] / t:.2f}x)" for name, t in ms.items()
+                      if name != "columns")
+    log(f"ordered top, {batch} x {context} ({columns} of {width} page columns, budget {budget_tokens // PAGE}): "
+        f"engine's chunk {ms['columns'] * 1e3:.1f} us; {peers} (x: its speed-up over the engine's chunk)")
+    return dict(kernel="ordered_top", batch=batch, context=context, width=width, ms=ms)
 
 
 def time_launches(fn, call: tuple, launches: list[dict], default: dict, nbytes: int, bandwidth: float, label: str,

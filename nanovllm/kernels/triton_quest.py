@@ -113,15 +113,16 @@ def _order_keys(scores_ptr, cols, lo, hi):
 
 
 @triton.jit
-def _digit_histogram(scores_ptr, keys, lo, hi, prefix, prefix_mask, shift, num_columns,
+def _digit_histogram(scores_ptr, keys, lo, hi, prefix, prefix_mask, shift, stop,
                      CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
-    """Counts of the 8-bit digit at `shift` over the row's candidates whose higher digits equal prefix's."""
+    """Counts of the 8-bit digit at `shift` over the row's candidates whose higher digits equal prefix's (read in
+    chunks up to column stop, past the last candidate)."""
     if IN_REGISTERS:
         match = (keys > 0) & ((keys & prefix_mask) == prefix)
         return tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
     offs = tl.arange(0, CHUNK)
     counts = tl.zeros([256], dtype=tl.int32)
-    for start in range(0, num_columns, CHUNK):
+    for start in range(0, stop, CHUNK):
         chunk = _order_keys(scores_ptr, start + offs, lo, hi)
         match = (chunk > 0) & ((chunk & prefix_mask) == prefix)
         counts += tl.histogram(((chunk >> shift) & 255).to(tl.int32), 256, mask=match)
@@ -135,7 +136,8 @@ def _ordered_top_kernel(
     IN_REGISTERS: tl.constexpr,
 ):
     """One (sequence, KV head) row: the sink's columns, the budget's top columns of the middle in column
-    order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once."""
+    order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once; else the row is read
+    in chunks up to its last candidate (a row shorter than the table's width costs its own length)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     end = tl.load(ends_ptr + b).to(tl.int32)
@@ -145,18 +147,19 @@ def _ordered_top_kernel(
     hi = end - RECENT
     offs = tl.arange(0, CHUNK)
     bins = tl.arange(0, 256)
+    stop = tl.minimum(hi, num_columns)  # columns past the last candidate hold none
     keys = _order_keys(row, offs, lo, hi)  # the row when IN_REGISTERS, else its first chunk (unused)
     # the budget-th largest key t, one 8-bit digit at a time from the top (radix select); `need` ends as
     # the number of columns equal to t to keep. Too few candidates: t = 1, every candidate kept.
     t = tl.full([], 0, tl.int64)
     prefix_mask = tl.full([], 0, tl.int64)
     need = budget
-    counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, 24, num_columns, CHUNK, IN_REGISTERS)
+    counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, 24, stop, CHUNK, IN_REGISTERS)
     if tl.sum(counts, 0) > budget:
         for step in tl.static_range(4):
             shift = 24 - 8 * step
             if step > 0:
-                counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, shift, num_columns, CHUNK, IN_REGISTERS)
+                counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, shift, stop, CHUNK, IN_REGISTERS)
             at_least = tl.cumsum(counts, 0, reverse=True)  # candidates with this digit or a higher one
             digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
             need -= tl.sum(tl.where(bins > digit, counts, 0), 0)
@@ -166,7 +169,7 @@ def _ordered_top_kernel(
         t = tl.full([], 1, tl.int64)
     written = 0
     equal_seen = 0
-    for start in range(0, num_columns, CHUNK):  # ordered compaction of the kept columns
+    for start in range(0, stop, CHUNK):  # ordered compaction of the kept columns
         cols = start + offs
         if not IN_REGISTERS:
             keys = _order_keys(row, cols, lo, hi)
