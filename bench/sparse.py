@@ -126,11 +126,17 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
     flip_layer_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
     flip_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
     selector.one_copy_tiles = True
+    backend.pack_heads = True  # the peer: the prefill kernel's programs over a KV head's query heads
+    packed_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
+    packed = sparse.attend(0, q, k, v, scale).float()
+    backend.pack_heads = False
     n = selection.shape[-1]
     causal = torch.arange(n, device=selection.device)[None, :] <= torch.arange(n, device=selection.device)[:, None]
     density = float((selection & causal).sum() / (causal.sum() * KV_HEADS))
     reference = dense.attend(0, q, k, v, scale).float()
-    error = float((sparse.attend(0, q, k, v, scale).float() - reference).abs().max())
+    unpacked = sparse.attend(0, q, k, v, scale).float()
+    error = float((unpacked - reference).abs().max())
+    packed_diff = float((packed - unpacked).abs().max())
     sdpa, sdpa_name = sdpa_ms(q, k, v, scale)
     fastest_dense = min(dense_ms, sdpa)
     flops = 4 * HEADS * DIM * context * context / 2  # QK^T and PV over the causal half
@@ -139,14 +145,15 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
                   fused_estimate_ms=fused_estimate_ms, selection_agreement_with_fused_estimate=agreement,
                   torch_sums_estimate_ms=torch_sums_ms, selection_agreement_with_torch_sums=sums_agreement,
                   flip_copy_estimate_ms=flip_ms, flip_copy_sparse_ms=flip_layer_ms,
-                  selection_agreement_with_flip_copy=flip_agreement,
-                  speedup_vs_fastest_dense=fastest_dense / sparse_ms, dense_tflops=flops / dense_ms / 1e9,
-                  max_abs_error_vs_dense=error)
+                  selection_agreement_with_flip_copy=flip_agreement, packed_heads_sparse_ms=packed_ms,
+                  packed_heads_max_abs_diff=packed_diff, speedup_vs_fastest_dense=fastest_dense / sparse_ms,
+                  dense_tflops=flops / dense_ms / 1e9, max_abs_error_vs_dense=error)
     log(f"prefill attention {context}: dense {dense_ms:.1f} ms ({result['dense_tflops']:.0f} TFLOP/s), SDPA "
         f"{sdpa_name} {sdpa:.1f} ms; XAttention {sparse_ms:.1f} ms (estimate {estimate_ms:.1f}; the Triton "
         f"estimate's {fused_estimate_ms:.1f}, selections {agreement:.4f} equal; with PyTorch's softmax and granule "
         f"sums {torch_sums_ms:.1f}, selections {sums_agreement:.4f} equal; with flip-and-copy tiles {flip_ms:.1f}, "
-        f"layer {flip_layer_ms:.1f}, selections {flip_agreement:.4f} equal) at density {density:.3f} -> "
+        f"layer {flip_layer_ms:.1f}, selections {flip_agreement:.4f} equal; with the query heads packed per KV head "
+        f"{packed_ms:.1f}, max |diff| {packed_diff:.4f}) at density {density:.3f} -> "
         f"{result['speedup_vs_fastest_dense']:.2f}x the fastest dense; max |diff| {error:.3f}")
     return result
 
@@ -259,14 +266,18 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     return results
 
 
-def set_one_copy_tiles(selector, one_copy: bool) -> None:
+def set_variant(llm, variant: str) -> None:
+    """The XAttention engine as the default ("default"), with its estimate's tiles by a flip and layout copies
+    ("flip_copy") or with the prefill kernel's programs over a KV head's query heads ("packed_heads")."""
+    selector = llm.runner.worker.selector
     if not isinstance(selector, XAttentionSelector):
         raise TypeError(f"the XAttention engine's selector is a {type(selector).__name__}")
-    selector.one_copy_tiles = one_copy
+    selector.one_copy_tiles = variant != "flip_copy"
+    llm.runner.worker.backend.pack_heads = variant == "packed_heads"
 
 
 def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
-                       flip_copy_peer: bool = False, **options) -> dict:
+                       flip_copy_peer: bool = False, packed_heads_peer: bool = False, **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
     untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
@@ -274,8 +285,9 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     rule); with "head" each query head picks its own near-random share and the KV head keeps their union (about
     1 - (1 - threshold)^group). A speed measurement at a chosen density, not an accuracy one. A context at the
     model's max_position_embeddings prefills one token fewer. flip_copy_peer: the XAttention engine timed also with
-    its estimate's tiles made by a flip and layout copies (`XAttentionSelector.one_copy_tiles` off). options: further
-    engine options (both engines)."""
+    its estimate's tiles made by a flip and layout copies (`XAttentionSelector.one_copy_tiles` off);
+    packed_heads_peer: also with the prefill kernel's programs over a KV head's query heads (the backend's
+    `pack_heads`). options: further engine options (both engines)."""
     import time
 
     from nanovllm.config import load_hf_config
@@ -290,31 +302,32 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     vocab = engines["full"].config.hf_config["vocab_size"]
     prompt = random_prompts(vocab, 1, context, context)[0]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    runs = [("full", True), ("xattention", True)] + ([("xattention", False)] if flip_copy_peer else [])
-    seconds, density = {(name, one_copy): [] for name, one_copy in runs}, None
+    peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer}
+    runs = [("full", "default"), ("xattention", "default")] + [("xattention", v) for v, on in peers.items() if on]
+    seconds, density = {run: [] for run in runs}, None
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for rep in range(reps + 1):
-        for name, one_copy in runs:
+        for name, variant in runs:
             llm = engines[name]
             if name == "xattention":
-                set_one_copy_tiles(llm.runner.worker.selector, one_copy)
+                set_variant(llm, variant)
             synchronize()
             start = time.perf_counter()
             out = llm.generate([prompt], first, use_tqdm=False)[0]
             synchronize()
             if rep:  # the first run compiles what the prompt meets
-                seconds[name, one_copy].append(time.perf_counter() - start)
-            if name == "xattention":
+                seconds[name, variant].append(time.perf_counter() - start)
+            if name == "xattention" and variant == "default":
                 density = out.metrics.prefill_density
-    dense, sparse = min(seconds["full", True]), min(seconds["xattention", True])
+    dense, sparse = min(seconds["full", "default"]), min(seconds["xattention", "default"])
     chunk = engines["full"].config.max_num_batched_tokens
     result = dict(context=context, threshold=threshold, cover=cover, max_num_batched_tokens=chunk, density=density,
                   dense_s=dense, xattention_s=sparse, speedup=dense / sparse, runs=reps)
     peer = ""
-    if flip_copy_peer:
-        result["xattention_flip_copy_s"] = flip = min(seconds["xattention", False])
-        result["speedup_flip_copy"] = dense / flip
-        peer = f"; with flip-and-copy tiles {flip:.2f} s -> {dense / flip:.2f}x"
+    for name, variant in runs[2:]:
+        result[f"xattention_{variant}_s"] = t = min(seconds[name, variant])
+        result[f"speedup_{variant}"] = dense / t
+        peer += f"; {variant.replace('_', ' ')} {t:.2f} s -> {dense / t:.2f}x"
     log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}, cover {cover}, "
         f"chunks of {chunk}): dense {dense:.2f} s, XAttention {sparse:.2f} s at density {density:.3f} -> "
         f"{dense / sparse:.2f}x{peer} (best of {reps})")
@@ -390,6 +403,9 @@ def main() -> None:
     ap.add_argument("--flip-copy-peer", action="store_true",
                     help="the end-to-end prefill's XAttention engine also with its estimate's tiles by a flip and "
                          "copies (XAttentionSelector.one_copy_tiles off)")
+    ap.add_argument("--packed-heads-peer", action="store_true",
+                    help="the end-to-end prefill's XAttention engine also with the prefill kernel's programs over a KV "
+                         "head's query heads (the backend's pack_heads)")
     ap.add_argument("--e2e-chunk", type=int, default=8192,
                     help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
@@ -412,7 +428,7 @@ def main() -> None:
     for context in args.e2e_contexts:
         results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
             args.config, context, args.e2e_threshold, args.e2e_cover, flip_copy_peer=args.flip_copy_peer,
-            max_num_batched_tokens=args.e2e_chunk))
+            packed_heads_peer=args.packed_heads_peer, max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)

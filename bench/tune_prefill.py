@@ -6,7 +6,8 @@ the prefix-free chunk.
 
     PYTHONPATH=. python3 bench/tune_prefill.py [--prefixes 0 8192 24576] [--chunk 8192] [--head-dim 128]
 
-Variants: pointer loads or tensor descriptors (TMA) for the K/V tiles.
+Variants: pointer loads or tensor descriptors (TMA) for the K/V tiles; a program per query head or per KV head
+(pack_heads: its query heads' rows together, each K/V tile loaded once for them).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from common import cuda_ms, log, require_cuda, save_results, sdpa_causal_ms
 from nanovllm.kernels import triton_paged_attention as ops
 
 HEADS, KV_HEADS, BLOCK = 32, 8, 256
-GRID = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), tma=(False, True))
+GRID = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), tma=(False, True),
+            pack_heads=(False, True))
 
 
 def inputs(chunk: int, prefix: int, dim: int) -> tuple:

@@ -568,6 +568,28 @@ def test_prefill_kernel_with_per_head_tables(ops, causal):
     assert not torch.equal(want[0], paged_attention_reference(*b.args(0.2), causal=causal)[0])  # it is sparse
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("kv_heads,group,block_m", [(2, 4, 32), (1, 8, 64), (2, 2, 16), (2, 3, 32)],
+                         ids=["group4", "group8", "group2", "group3-unpacked"])
+def test_prefill_kernel_with_packed_heads(ops, kv_heads, group, block_m, tma):
+    """A program over a KV head's query heads (block_m // group queries of each): dense and per-KV-head tables,
+    causal and history, merged into a partial result, equal to the reference; a group that does not divide the
+    tile into a power of two runs a head per program."""
+    rng = random.Random(group + block_m)
+    query_lens, seq_lens = random_mixed_lens(rng, 5, 70, 200)
+    b = make_batch(query_lens, seq_lens, kv_heads, group, 32, 16, torch.float32, seed=group)
+    config = ops.PrefillConfig(block_m, 16, num_warps=4, num_stages=2, tma=tma, pack_heads=True)
+    assert config.tile_queries(group) == (block_m if group == 3 else block_m // group)
+    tables, lens = _per_head_selection(b, kv_heads, seed=group)
+    for args in (b.args(0.2), (b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.2)):
+        for causal in (True, False):
+            want = paged_attention_reference(*args, causal=causal)
+            assert_matches(ops.paged_prefill_attention(*args, config=config, causal=causal), want, torch.float32)
+            partial = (torch.zeros(b.q.shape, device=DEVICE), torch.full(b.q.shape[:2], float("-inf"), device=DEVICE))
+            got = ops.paged_prefill_attention(*args, config=config, causal=causal, out=partial, accumulate=True)
+            assert_matches(got, want, torch.float32)
+
+
 def test_decode_kernel_with_per_head_tables(ops):
     query_lens, seq_lens = [1] * 5, [150, 40, 97, 16, 129]
     b = make_batch(query_lens, seq_lens, 2, 4, 32, 16, torch.float32, seed=6)
@@ -582,20 +604,26 @@ def test_decode_kernel_with_per_head_tables(ops):
 
 def test_triton_backend_with_per_head_metadata(ops):
     """A block-sparse selection's metadata (build_head_metadata) through the triton backend equals the torch
-    backend: a mixed batch (decode rows to the decode kernel, chunks to the prefill kernel) and history."""
+    backend: a mixed batch (decode rows to the decode kernel, chunks to the prefill kernel) and history; also with
+    the prefill kernel's programs over a KV head's query heads (pack_heads: the plans' query tiles follow)."""
     rng = random.Random(9)
     query_lens, seq_lens = random_mixed_lens(rng, 5, 30, 120)
     b = make_batch(query_lens, seq_lens, 2, 2, 32, 16, torch.float32, seed=8)
     tables, lens = _per_head_selection(b, 2, seed=3)
     results = []
-    for name in ("torch", "triton"):
+    for name, pack in (("torch", False), ("triton", False), ("triton", True)):
         backend = get_attention_backend(name)
+        backend.pack_heads = pack
         meta = backend.build_head_metadata(query_lens, lens.cpu(), tables.cpu(), 16, DEVICE)
         out = backend.forward(b.q, b.k_cache, b.v_cache, meta, 0.25)
         partial = (torch.zeros(b.q.shape, device=DEVICE), torch.full(b.q.shape[:2], float("-inf"), device=DEVICE))
         backend.history_attention(b.q, b.k_cache, b.v_cache, meta, 0.25, partial)
         results.append((out, partial))
-    (want, want_history), (got, got_history) = results
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(got_history[0], want_history[0], atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(got_history[1], want_history[1], atol=2e-5, rtol=2e-5)
+        if pack:
+            tiles = {plan.config.tile_queries(2) for plan in meta.plans.values()}
+            assert tiles == {plan.config.block_m // 2 for plan in meta.plans.values()}
+    (want, want_history), *triton_results = results
+    for got, got_history in triton_results:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got_history[0], want_history[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got_history[1], want_history[1], atol=2e-5, rtol=2e-5)

@@ -294,32 +294,43 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_bh, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr, TMA: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr, TMA: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr,
 ):
     """PER_HEAD: each KV head has its own block table row and KV length (tables [B, Hk, max_blocks],
     seq_lens [B, Hk]): attention over a block-sparse selection, the dropped blocks preceding the queries.
-    TMA: k_cache_ptr / v_cache_ptr are tensor descriptors of the caches viewed as [rows, Hk * D]."""
-    head = tl.program_id(0)
+    TMA: k_cache_ptr / v_cache_ptr are tensor descriptors of the caches viewed as [rows, Hk * D].
+    PACK: a program serves a KV head's GROUP query heads, its BLOCK_M rows TILE = BLOCK_M // GROUP queries of
+    each (row r: head r // TILE), so each K/V tile is loaded once for the group; else TILE = BLOCK_M queries of
+    one head. TILE is the schedule's query tile."""
     work = tl.program_id(1)
+    r = tl.arange(0, BLOCK_M)
+    if PACK:
+        kv_head = tl.program_id(0)
+        head = kv_head * GROUP + r // TILE  # each row's query head
+        query = r % TILE
+    else:
+        head = tl.program_id(0)
+        kv_head = head // GROUP
+        query = r
     seq = tl.load(schedule_ptr + 2 * work)
     q_tile = tl.load(schedule_ptr + 2 * work + 1)
     q_start = tl.load(cu_ptr + seq)
     q_len = tl.load(cu_ptr + seq + 1) - q_start
     if PER_HEAD:
-        seq_len = tl.load(seq_lens_ptr + seq * num_kv_heads + head // GROUP)
+        seq_len = tl.load(seq_lens_ptr + seq * num_kv_heads + kv_head)
     else:
         seq_len = tl.load(seq_lens_ptr + seq)
     if CAUSAL:
-        first_pos = seq_len - q_len + q_tile * BLOCK_M  # position of the tile's first query row
+        first_pos = seq_len - q_len + q_tile * TILE  # position of the tile's first query row
     else:  # the keys are history preceding every query: all visible
         first_pos = seq_len - 1
 
-    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows within the sequence
+    offs_m = q_tile * TILE + query  # query rows within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
     rows = (q_start + offs_m).to(tl.int64)
     row_mask = offs_m < q_len
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_mask[:, None], other=0.0)
+    q_rows = rows * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0)
     if CAUSAL:
         q_pos = seq_len - q_len + offs_m
     else:
@@ -328,12 +339,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kv_head = head // GROUP
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     if PER_HEAD:
         table += kv_head * stride_bh
     full_tiles = (first_pos + 1) // BLOCK_N  # every key of these tiles is <= first_pos
-    all_tiles = tl.cdiv(tl.minimum(first_pos + BLOCK_M, seq_len), BLOCK_N)
+    all_tiles = tl.cdiv(tl.minimum(first_pos + TILE, seq_len), BLOCK_N)
     if TMA:
         acc, m_i, l_i = _attend_tiles_tma(
             acc, m_i, l_i, q, q_pos, seq_len, k_cache_ptr, v_cache_ptr, table, kv_head * HEAD_DIM, 0, full_tiles,
@@ -357,7 +367,7 @@ def _prefill_kernel(
             False,
         )
     out, lse = _finish(acc, m_i, l_i)
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    out_ptrs = out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
     lse_ptrs = lse_ptr + rows * stride_lt + head * stride_lh
     if ACCUMULATE:
         out, lse = _merge_stored(out, lse, out_ptrs, lse_ptrs, row_mask)
@@ -528,18 +538,29 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # K/V tiles through tensor descriptors (Hopper's TMA; contiguous caches, else pointers)
+    # a program's rows are the block_m // group queries of each query head of one KV head: a K/V tile loaded once for
+    # the group (where group is a power of two dividing block_m; else one head per program)
+    pack_heads: bool = False
+
+    def packs(self, group: int) -> bool:
+        return self.pack_heads and 1 < group <= self.block_m and self.block_m % group == 0 and not group & (group - 1)
+
+    def tile_queries(self, group: int) -> int:
+        """Queries per program, the schedule's query tile (build_prefill_schedule), for group query heads per KV
+        head."""
+        return self.block_m // group if self.packs(group) else self.block_m
 
 
-def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int) -> PrefillConfig:
+def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, pack_heads: bool = False) -> PrefillConfig:
     """Tiles sized so that Q plus num_stages K/V tiles fit in an H100/H200's shared memory."""
     if dtype == torch.float32:  # 4-byte operands, no 16-bit tensor-core path: smaller tiles
-        return PrefillConfig(64 if head_dim <= 128 else 32, kv_tile_size(block_size, 32), 4, 2)
+        return PrefillConfig(64 if head_dim <= 128 else 32, kv_tile_size(block_size, 32), 4, 2, pack_heads=pack_heads)
     # bench/tune_prefill.py on the H200: descriptors 1.34-1.55x pointer loads at head_dim 128, 1.0-1.1x at 64
     if head_dim <= 64:
-        return PrefillConfig(128, kv_tile_size(block_size, 128), 4, 2, tma=True)
+        return PrefillConfig(128, kv_tile_size(block_size, 128), 4, 2, tma=True, pack_heads=pack_heads)
     if head_dim <= 128:
-        return PrefillConfig(128, kv_tile_size(block_size, 64), 4, 3, tma=True)
-    return PrefillConfig(64, kv_tile_size(block_size, 64), 8, 2)
+        return PrefillConfig(128, kv_tile_size(block_size, 64), 4, 3, tma=True, pack_heads=pack_heads)
+    return PrefillConfig(64, kv_tile_size(block_size, 64), 8, 2, pack_heads=pack_heads)
 
 
 def decode_tile_size(dtype: torch.dtype, head_dim: int, block_size: int) -> int:
@@ -588,7 +609,7 @@ def paged_prefill_attention(
     """Varlen causal attention of each sequence's new tokens over its cached prefix and themselves.
     With causal=False every new token sees all seq_lens[i] keys (KV history that precedes the queries).
 
-    schedule must come from `build_prefill_schedule` with config.block_m; without it, it is built from
+    schedule must come from `build_prefill_schedule` with config.tile_queries(Hq // Hk); without it, it is built from
     cu_query_lens and seq_lens (a device-to-host copy); only the rows it covers are written. out:
     (out [T, Hq, D], lse [T, Hq] float32) to write into, else new tensors; accumulate=True merges the
     result by log-sum-exp with the partial result already in out. Returns (out, lse)."""
@@ -599,10 +620,11 @@ def paged_prefill_attention(
     config = config or prefill_config(q.dtype, head_dim, block_size)
     if block_size % config.block_n:
         raise ValueError(f"block_n={config.block_n} must divide block_size={block_size}")
+    group = num_heads // num_kv_heads
     if schedule is None:
         query_lens = torch.diff(cu_query_lens).tolist()
         longest = (seq_lens.amax(1) if per_head else seq_lens).tolist()
-        schedule = build_prefill_schedule(query_lens, config.block_m, q.device, longest)
+        schedule = build_prefill_schedule(query_lens, config.tile_queries(group), q.device, longest)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out, the partial result to merge into")
     out, lse = out or _new_outputs(q)
@@ -610,14 +632,15 @@ def paged_prefill_attention(
         return out, lse
     tma = config.tma and _has_tma(q.device) and _describable(k_cache) and _describable(v_cache)
     k_arg, v_arg = (_cache_descriptor(c, config.block_n) for c in (k_cache, v_cache)) if tma else (k_cache, v_cache)
-    _prefill_kernel[(num_heads, schedule.shape[0])](
+    pack = config.packs(group)
+    _prefill_kernel[(num_kv_heads if pack else num_heads, schedule.shape[0])](
         q, k_arg, v_arg, out, lse, cu_query_lens, seq_lens, block_tables, schedule, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0), block_tables.stride(1) if per_head else 0,
         num_kv_heads,
-        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, ACCUMULATE=accumulate,
-        PER_HEAD=per_head, TMA=tma,
+        PER_HEAD=per_head, TMA=tma, PACK=pack, TILE=config.tile_queries(group),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

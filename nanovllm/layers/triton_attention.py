@@ -37,6 +37,7 @@ class PrefillPlan:
 class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True
     prefill_through_cudnn = True  # one long prefill sequence through cuDNN where takes_cudnn_route says so
+    pack_heads = False  # the prefill kernel's programs over a KV head's query heads (PrefillConfig.pack_heads)
 
     def __init__(self) -> None:
         try:
@@ -86,34 +87,35 @@ class TritonPagedAttention(AttentionBackend):
 
     def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, history: bool = False) -> PrefillPlan:
         """The step's plan, kept in the metadata and reused by every layer (same shapes)."""
-        key = ("history" if history else "prefill", q.dtype, q.shape[-1], k_cache.shape[1], q.device)
+        group = q.shape[1] // k_cache.shape[2]
+        key = ("history" if history else "prefill", q.dtype, q.shape[-1], k_cache.shape[1], group, self.pack_heads,
+               q.device)
         if key not in meta.plans:
             build = self._build_history_plan if history else self._build_plan
-            meta.plans[key] = build(q.dtype, q.shape[-1], k_cache.shape[1], meta, q.device)
+            config = self.ops.prefill_config(q.dtype, q.shape[-1], k_cache.shape[1], self.pack_heads)
+            meta.plans[key] = build(config, config.tile_queries(group), meta, q.device)
             meta.plans[key].cudnn = not history and self.prefill_through_cudnn and takes_cudnn_route(q, k_cache, meta)
         return meta.plans[key]
 
-    def _build_history_plan(self, dtype: torch.dtype, head_dim: int, block_size: int, meta: AttentionMetadata,
+    def _build_history_plan(self, config: PrefillConfig, tile: int, meta: AttentionMetadata,
                             device: torch.device) -> PrefillPlan:
-        """Sequences with keys: several rows go to the prefill kernel, one row to the decode kernel."""
-        config = self.ops.prefill_config(dtype, head_dim, block_size)
+        """Sequences with keys: several rows go to the prefill kernel (query tiles of `tile`), one row to the
+        decode kernel."""
         with_keys = [n if s > 0 else 0 for n, s in zip(meta.query_lens, meta.seq_lens)]
-        schedule = self.ops.build_prefill_schedule(with_keys, config.block_m, device, meta.seq_lens,
-                                                   skip_single_token=True)
+        schedule = self.ops.build_prefill_schedule(with_keys, tile, device, meta.seq_lens, skip_single_token=True)
         decode = [i for i, n in enumerate(with_keys) if n == 1]
         if not decode:
             return PrefillPlan(config, schedule, None, 0)
         decode_ids = torch.tensor(decode, dtype=torch.int32).to(device, non_blocking=True)
         return PrefillPlan(config, schedule, decode_ids, max(meta.seq_lens[i] for i in decode))
 
-    def _build_plan(self, dtype: torch.dtype, head_dim: int, block_size: int, meta: AttentionMetadata,
+    def _build_plan(self, config: PrefillConfig, tile: int, meta: AttentionMetadata,
                     device: torch.device) -> PrefillPlan:
-        """Sequences with several new tokens go to the prefill kernel; in a mixed batch the one-token
-        ones go to the decode kernel (GQA-grouped, split over long contexts) instead."""
-        config = self.ops.prefill_config(dtype, head_dim, block_size)
+        """Sequences with several new tokens go to the prefill kernel (query tiles of `tile`); in a mixed batch
+        the one-token ones go to the decode kernel (GQA-grouped, split over long contexts) instead."""
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
         mixed = 0 < len(decode) < meta.num_seqs
-        schedule = self.ops.build_prefill_schedule(meta.query_lens, config.block_m, device, meta.seq_lens,
+        schedule = self.ops.build_prefill_schedule(meta.query_lens, tile, device, meta.seq_lens,
                                                    skip_single_token=mixed)
         if not mixed:
             return PrefillPlan(config, schedule, None, 0)
