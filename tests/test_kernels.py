@@ -9,6 +9,8 @@ block-table entry shows up in the comparison.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -588,6 +590,34 @@ def test_prefill_kernel_with_packed_heads(ops, kv_heads, group, block_m, tma):
             partial = (torch.zeros(b.q.shape, device=DEVICE), torch.full(b.q.shape[:2], float("-inf"), device=DEVICE))
             got = ops.paged_prefill_attention(*args, config=config, causal=causal, out=partial, accumulate=True)
             assert_matches(got, want, torch.float32)
+
+
+def test_packed_prefill_kernel_compiles_for_sm90_without_a_gpu():
+    """The interpreter accepts code the compiler rejects: the packed prefill kernel (Llama's shape, bf16, per-KV-head
+    tables, K/V through tensor descriptors and through pointers) compiled for sm_90 through Triton's ptxas."""
+    pytest.importorskip("triton")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.triton_paged_attention import _prefill_kernel as kernel
+first_constexpr = kernel.arg_names.index("GROUP")
+for tma in (True, False):
+    cache = "tensordesc<bf16[64,128]>" if tma else "*bf16"
+    sig = {name: "i32" for name in kernel.arg_names[:first_constexpr]}
+    sig.update(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, out_ptr="*bf16", lse_ptr="*fp32", cu_ptr="*i32",
+               seq_lens_ptr="*i32", tables_ptr="*i64", schedule_ptr="*i32", qk_scale="fp32")
+    sig.update({name: "constexpr" for name in kernel.arg_names[first_constexpr:]})
+    consts = dict(GROUP=4, BLOCK_SIZE=256, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PRECISION="tf32", CAUSAL=True,
+                  ACCUMULATE=True, PER_HEAD=True, TMA=tma, PACK=True, TILE=32)
+    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3})
+    assert compiled.asm["cubin"]
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_decode_kernel_with_per_head_tables(ops):
