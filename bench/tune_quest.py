@@ -59,8 +59,8 @@ def main() -> None:
 
 def time_top(batch: int, context: int, width_context: int | None = None, budget_tokens: int = 2048) -> dict:
     """Quest's page selection of one layer: the ordered top kernel (at the engine's chunk for rows of
-    width_context, and, for rows narrower than that, in chunks of 1,024 and 2,048 read up to each row's end)
-    against top-k + sort."""
+    width_context and its warps, that chunk at 4-32 warps, and, for rows narrower than that, in chunks of 1,024
+    and 2,048 read up to each row's end) against top-k + sort."""
     per_block, columns = BLOCK // PAGE, -(-context // BLOCK) * (BLOCK // PAGE)
     width = max(columns, -(-(width_context or context) // BLOCK) * per_block)
     scores = torch.randn(batch, KV_HEADS, width, device="cuda")
@@ -68,13 +68,14 @@ def time_top(batch: int, context: int, width_context: int | None = None, budget_
     ends = torch.full((batch,), columns, dtype=torch.int64, device="cuda")
     call = (scores, ends, per_block, budget_tokens // PAGE, per_block)
     want = quest_top_reference(*call)
-    chunks = {"columns": triton_quest.ordered_top_chunk(width)}
+    engine = triton_quest.ordered_top_chunk(width)
+    launches = {"columns": (engine, None)} | {f"warps_{w}": (engine, w) for w in (4, 8, 16, 32)}
     if width > columns:
-        chunks.update(chunked_1024=1024, chunked_2048=2048)
+        launches.update(chunked_1024=(1024, None), chunked_2048=(2048, None))
     ms = {}
-    for name, chunk in chunks.items():
-        assert torch.equal(triton_quest.ordered_top_columns(*call, chunk), want)
-        ms[name] = cuda_ms(lambda: triton_quest.ordered_top_columns(*call, chunk))
+    for name, (chunk, warps) in launches.items():
+        assert torch.equal(triton_quest.ordered_top_columns(*call, chunk, warps), want)
+        ms[name] = cuda_ms(lambda: triton_quest.ordered_top_columns(*call, chunk, warps))
     ms["topk_sort"] = cuda_ms(lambda: quest_top_reference(*call))
     peers = ", ".join(f"{name} {t * 1e3:.1f} us ({ms['columns'] / t:.2f}x)" for name, t in ms.items()
                       if name != "columns")

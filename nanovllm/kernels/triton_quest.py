@@ -196,7 +196,7 @@ def ordered_top_chunk(max_columns: int) -> int:
 
 
 def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int,
-                        chunk: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Quest's kept columns as positions [B, Hk, sink + budget + recent] (int64, -1 for none) from page or
     block scores [B, Hk, C] float32 (-inf: no keys) and each row's column count ends [B]: the sink's
     columns, the top `budget` columns of the middle [sink, end - recent) in column order, the recent
@@ -204,7 +204,8 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     its bits (four 256-bin histograms of the row, held in registers up to MAX_ROW_IN_REGISTERS columns),
     then compacts the columns at or above it in order: no top-k, no sort. `quest_top_reference` defines the
     result (ties at the threshold: the first columns). chunk: columns per pass (default: the row's
-    `ordered_top_chunk`, a variant per power of two; a fixed one serves every narrower row)."""
+    `ordered_top_chunk`, a variant per power of two; a fixed one serves every narrower row). num_warps: default
+    a warp per 512 columns of a chunk, 4 to 16 (`bench/tune_quest.py --top-only` sweeps it)."""
     batch, heads, num_columns = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("scores must be float32 with contiguous rows")
@@ -213,7 +214,7 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     _ordered_top_kernel[(batch, heads)](
         scores, ends, out, num_columns, budget, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         SINK=sink, RECENT=recent, FIXED_PAD=triton.next_power_of_2(max(sink, recent, 1)), CHUNK=chunk,
-        IN_REGISTERS=chunk >= num_columns, num_warps=max(4, min(16, chunk // 512)),
+        IN_REGISTERS=chunk >= num_columns, num_warps=num_warps or max(4, min(16, chunk // 512)),
     )
     return out
 
