@@ -7,7 +7,8 @@ candidate kernel (quest_rerank=2 at budget 2048: 256 candidate pages per KV head
 device pool) over its launch options, the candidates' key bytes over the kernel time as a fraction of HBM.
 
     PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only | --candidates]
-        [--top-width 131072]
+        [--top-width 131072]  (--top-width: the score and top kernels also on tables that wide, as in a graph
+        sized for that length)
 """
 from __future__ import annotations
 
@@ -23,12 +24,16 @@ from nanovllm.layers.sparse_policies import quest_top_reference
 HEADS, KV_HEADS, DIM, BLOCK, PAGE = 32, 8, 128, 256, 16
 
 
-def inputs(batch: int, context: int) -> tuple:
+def inputs(batch: int, context: int, width: int | None = None) -> tuple:
+    """The scores kernel's call; with width (tokens), tables as wide as a graph sized for that length: the
+    columns past the rows' ends hold block 0, as the engine's padded tables do."""
     blocks = -(-context // BLOCK)
     pages = batch * blocks * (BLOCK // PAGE)
     lo = torch.randn(pages, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     hi = lo + torch.rand_like(lo)
     tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
+    if width is not None and -(-width // BLOCK) > blocks:
+        tables = torch.nn.functional.pad(tables, (0, -(-width // BLOCK) - blocks))
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     empty = lo[:0]
@@ -115,6 +120,13 @@ def sweep_scores(args) -> list[dict]:
         rows = time_launches(triton_quest.quest_block_scores, call, launches, default, nbytes, bandwidth,
                              f"batch {batch} x {context}: bounds", atol=1e-2, rtol=1e-3)
         results.append(dict(kernel="quest_scores", batch=batch, context=context, bytes=nbytes, rows=rows))
+        if args.top_width and args.top_width > context:
+            call, nbytes = inputs(batch, context, args.top_width)
+            rows = time_launches(triton_quest.quest_block_scores, call, launches, default, nbytes, bandwidth,
+                                 f"batch {batch} x {context} in tables {args.top_width} wide: bounds",
+                                 atol=1e-2, rtol=1e-3)
+            results.append(dict(kernel="quest_scores", batch=batch, context=context, width=args.top_width,
+                                bytes=nbytes, rows=rows))
     return results
 
 

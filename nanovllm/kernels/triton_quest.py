@@ -51,19 +51,25 @@ def _quest_scores_kernel(
     for i in range(BLOCKS):
         c = first + i
         in_table = c < num_columns
-        entry = tl.load(tables_ptr + b * stride_tb + c, mask=in_table, other=0)
-        on_host = entry >= base
-        block = tl.where(on_host, entry - base, entry)
-        page_ok = (p < PAGES) & (c * PAGES + p < written_pages) & (c < num_blocks) & in_table
-        offsets = (block * PAGES + p)[:, None] * stride_page + h * stride_ph + d[None, :]
-        hi = tl.load(hi_ptr + offsets + tl.where(on_host, hi_delta, 0), mask=page_ok[:, None], other=0.0).to(tl.float32)
-        lo = tl.load(lo_ptr + offsets + tl.where(on_host, lo_delta, 0), mask=page_ok[:, None], other=0.0).to(tl.float32)
-        if USE_DOT:
-            s = tl.dot(q_pos, tl.trans(hi), input_precision="ieee") + tl.dot(q_neg, tl.trans(lo), input_precision="ieee")
-        else:  # [group, pages, D] products summed over D: no padding of the group to 16 rows
-            s = tl.sum(q_pos[:, None, :] * hi[None, :, :] + q_neg[:, None, :] * lo[None, :, :], axis=2)
-        s = tl.where((g < GROUP)[:, None] & page_ok[None, :], s, float("-inf"))
-        page_scores = tl.max(s, axis=0)  # [PAGES_PAD]
+        if c < num_blocks:
+            entry = tl.load(tables_ptr + b * stride_tb + c, mask=in_table, other=0)
+            on_host = entry >= base
+            block = tl.where(on_host, entry - base, entry)
+            page_ok = (p < PAGES) & (c * PAGES + p < written_pages) & in_table
+            offsets = (block * PAGES + p)[:, None] * stride_page + h * stride_ph + d[None, :]
+            hi = tl.load(hi_ptr + offsets + tl.where(on_host, hi_delta, 0), mask=page_ok[:, None],
+                         other=0.0).to(tl.float32)
+            lo = tl.load(lo_ptr + offsets + tl.where(on_host, lo_delta, 0), mask=page_ok[:, None],
+                         other=0.0).to(tl.float32)
+            if USE_DOT:
+                s = (tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
+                     + tl.dot(q_neg, tl.trans(lo), input_precision="ieee"))
+            else:  # [group, pages, D] products summed over D: no padding of the group to 16 rows
+                s = tl.sum(q_pos[:, None, :] * hi[None, :, :] + q_neg[:, None, :] * lo[None, :, :], axis=2)
+            s = tl.where((g < GROUP)[:, None] & page_ok[None, :], s, float("-inf"))
+            page_scores = tl.max(s, axis=0)  # [PAGES_PAD]
+        else:  # past the row's end (graphs' tables are as wide as the longest sequence): no loads, no products
+            page_scores = tl.full([PAGES_PAD], float("-inf"), tl.float32)
         if PAGE_OUT:
             tl.store(out_ptr + b * stride_ob + h * stride_oh + c * PAGES + p, page_scores, mask=(p < PAGES) & in_table)
         else:
