@@ -9,8 +9,6 @@ block-table entry shows up in the comparison.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from compiled_helpers import assert_runs_compiled
 from nanovllm.kernels.reference import HostKV, merge_attention_states, paged_attention_reference
 from nanovllm.engine.kv_cache import store_kv
 from nanovllm.layers.attention import get_attention_backend
@@ -615,9 +614,7 @@ for tma in (True, False):
     assert compiled.asm["cubin"]
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert_runs_compiled(code, timeout=600)
 
 
 def test_decode_kernel_with_per_head_tables(ops):

@@ -3,8 +3,6 @@ PyTorch reference, on random bounds of device and host blocks (Triton's CPU inte
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 
@@ -13,6 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from compiled_helpers import assert_runs_compiled
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.layers.block_metadata import BlockKeyBounds
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
@@ -90,9 +89,7 @@ for kernel, names in wanted.items():
 print("ok")
 """
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert_runs_compiled(code, timeout=120)
 
 
 def test_ordered_top_kernel_compiles_for_sm90_without_a_gpu():
@@ -115,9 +112,7 @@ for chunk, in_registers in [(8192, True), (512, True), (16384, False)]:
     assert compiled.asm["cubin"]
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert_runs_compiled(code, timeout=300)
 
 
 def test_candidate_max_kernel_compiles_for_sm90_without_a_gpu():
@@ -144,9 +139,7 @@ for group, dim, column, count, lse in [(4, 128, 16, True, False), (4, 128, 256, 
     assert compiled.asm["cubin"]
 print("ok")
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert_runs_compiled(code, timeout=300)
 
 
 @pytest.mark.parametrize("chunk", [None, 64, 1024], ids=["row-in-registers", "chunked", "wider-than-the-row"])
