@@ -15,6 +15,8 @@ plus the sink and the most recent block as the engine keeps them:
   bound-free rule could choose at this budget (needs the keys: device pool only);
 - oracle max: the true mass, the maximum over the group's query heads;
 - group softmax: each query head's bounds as a softmax over the pages, summed over the group;
+- softmax max: each query head's bounds as a softmax over the pages, the maximum over the group (the bound put on
+  each head's own scale before the heads compete);
 - mean query: the bound of the group's mean query;
 - exact max: the largest true score q . k on the page (what the bound bounds from above), the maximum over the group;
 - refine Nx: the group max's top N x budget pages as candidates, ranked by oracle max computed over the candidates,
@@ -45,8 +47,8 @@ from nanovllm.eval.ruler.templates import Prompter
 from nanovllm.layers.block_selector import DecodeLayout
 from nanovllm.layers.sparse_policies import QuestSelector
 
-RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "mean query", "exact max",
-         "refine 2x", "refine 4x", "rerank 2x", "rerank 4x")
+RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "softmax max", "mean query",
+         "exact max", "refine 2x", "refine 4x", "refine 8x", "rerank 2x", "rerank 4x", "rerank 8x")
 
 
 def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
@@ -111,9 +113,10 @@ def rule_scores(rule: str):
             s = head_mass(self, layer, q, layout).sum(2)
         elif rule == "oracle max":
             s = head_mass(self, layer, q, layout).amax(2)
-        elif rule == "group softmax":
+        elif rule in ("group softmax", "softmax max"):
             b = head_bounds(self, layer, q, layout)
-            s = torch.softmax(b.masked_fill(~_holding(self, layout)[:, None, None], float("-inf")) * scale, -1).sum(2)
+            p = torch.softmax(b.masked_fill(~_holding(self, layout)[:, None, None], float("-inf")) * scale, -1)
+            s = p.sum(2) if rule == "group softmax" else p.amax(2)
         elif rule == "exact max":
             logits = head_logits(self, layer, q, layout)
             s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
