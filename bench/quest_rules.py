@@ -19,6 +19,11 @@ plus the sink and the most recent block as the engine keeps them:
   each head's own scale before the heads compete);
 - mean query: the bound of the group's mean query;
 - exact max: the largest true score q . k on the page (what the bound bounds from above), the maximum over the group;
+- sparq R: each query head's approximate scores from its R largest |q_d| channels of every key (SparQ), the
+  largest on each page, the maximum over the group (reads R of head_dim channels of every key);
+- label R: the same from R channels fixed per layer and KV head (Double Sparsity's label cache: a device copy of
+  those channels of every key), chosen once, on the first decode step seen, by the group's mean |q_d| times the
+  keys' mean |k_d|, and kept for every later step and sample;
 - refine Nx: the group max's top N x budget pages as candidates, ranked by oracle max computed over the candidates,
   the sink and the recent block only (the keys such a rule would read);
 - rerank Nx: the engine's own `quest_rerank=N` (the bound's top N x budget pages ranked by their exact largest score;
@@ -48,7 +53,8 @@ from nanovllm.layers.block_selector import DecodeLayout
 from nanovllm.layers.sparse_policies import QuestSelector
 
 RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "softmax max", "mean query",
-         "exact max", "refine 2x", "refine 4x", "refine 8x", "rerank 2x", "rerank 4x", "rerank 8x")
+         "exact max", "refine 2x", "refine 4x", "refine 8x", "rerank 2x", "rerank 4x", "rerank 8x",
+         "sparq 8", "sparq 16", "label 4", "label 8", "label 16")
 
 
 def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
@@ -82,6 +88,36 @@ def head_mass(selector: QuestSelector, layer: int, q: torch.Tensor, layout: Deco
         logits = logits.masked_fill(~tokens, float("-inf"))
     p = torch.softmax(logits, -1)
     return p.view(*p.shape[:-1], -1, selector.bounds.page_size).sum(-1)
+
+
+def channel_logits(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout,
+                   channels: torch.Tensor) -> torch.Tensor:
+    """[B, Hk, group, tokens] scores from only the channels [B or 1, Hk, group, R] of q and of every key."""
+    keys = selector.device_keys[layer]
+    batch = layout.blocks.shape[0]
+    k = keys[layout.blocks.clamp(min=0)].flatten(1, 2).float().permute(0, 2, 1, 3)  # [B, Hk, tokens, D]
+    q = q.float().view(batch, k.shape[1], -1, q.shape[-1])  # [B, Hk, group, D]
+    channels = channels.expand(batch, -1, -1, -1)
+    q_part = q.gather(-1, channels)  # [B, Hk, group, R]
+    k_part = k[:, :, None].expand(-1, -1, q.shape[2], -1, -1).gather(
+        -1, channels[:, :, :, None, :].expand(-1, -1, -1, k.shape[2], -1))  # [B, Hk, group, tokens, R]
+    logits = torch.einsum("bhgr,bhgtr->bhgt", q_part, k_part) / math.sqrt(q.shape[-1])  # head_logits' scale
+    present = torch.arange(k.shape[2], device=q.device)[None, :] < layout.seq_lens[:, None]
+    return logits.masked_fill(~present[:, None, None, :], float("-inf"))
+
+
+LABEL_CHANNELS: dict[tuple[int, int], torch.Tensor] = {}  # (layer, R): [1, Hk, group, R], chosen once
+
+
+def label_channels(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout, r: int):
+    if (layer, r) not in LABEL_CHANNELS:
+        keys = selector.device_keys[layer][layout.blocks.clamp(min=0)].flatten(1, 2).float()
+        key_size = keys.abs().mean((0, 1))  # [Hk, D]
+        q_size = q.float().view(q.shape[0], key_size.shape[0], -1, q.shape[-1]).abs().mean((0, 2))  # [Hk, D]
+        top = (q_size * key_size).topk(r, -1).indices.sort(-1).values  # [Hk, R]
+        group = q.shape[1] // key_size.shape[0]
+        LABEL_CHANNELS[(layer, r)] = top[None, :, None, :].expand(1, -1, group, -1).contiguous()
+    return LABEL_CHANNELS[(layer, r)]
 
 
 def refined(self: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout, factor: int) -> torch.Tensor:
@@ -119,6 +155,14 @@ def rule_scores(rule: str):
             s = p.sum(2) if rule == "group softmax" else p.amax(2)
         elif rule == "exact max":
             logits = head_logits(self, layer, q, layout)
+            s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
+        elif rule.startswith(("sparq", "label")):
+            r = int(rule.split()[1])
+            if rule.startswith("sparq"):
+                channels = q.float().view(q.shape[0], num_kv_heads, -1, q.shape[-1]).abs().topk(r, -1).indices
+            else:
+                channels = label_channels(self, layer, q, layout, r)
+            logits = channel_logits(self, layer, q, layout, channels)
             s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
         elif rule.startswith("refine"):
             s = refined(self, layer, q, layout, int(rule.split()[1].rstrip("x")))

@@ -61,3 +61,36 @@ def test_mass_rerank_keeps_what_the_refine_rule_keeps(seed, monkeypatch):
     assert torch.equal(keeps["mass", True], keeps["mass", False])
     assert not torch.equal(keeps["mass", False], keeps["max", False])
 
+
+
+def test_channel_rules_score_with_their_channels_only(monkeypatch):
+    """"sparq R" is "exact max" of each query head's q with all but its R largest |q_d| zeroed; "label R" is the
+    same with one set of channels per KV head; with every channel both are "exact max" itself."""
+    import quest_rules
+
+    monkeypatch.setattr(quest_rules, "LABEL_CHANNELS", {})
+    step = PageStep(1, False)
+    step.cache.write(0, *step.new_kv(), torch.tensor(step.slots))
+    batch = SelectionInput([1] * 4, step.SEQ_LENS, PAGE_BS, step.located, step.on_host)
+    layout = DecodeLayout.build(batch, torch.device("cpu"), second_pool_base=1000)
+    selector = QuestSelector(step.bounds, token_budget=80, dense_layers=0, min_context=0, page_select=True,
+                             device_keys=step.cache.data[0])
+    dim = step.q.shape[-1]
+
+    def scores(rule, q=step.q):
+        return rule_scores(rule)(selector, 0, q, PAGE_HK, layout, pages=True)
+
+    exact = scores("exact max")
+    torch.testing.assert_close(scores(f"sparq {dim}"), exact)
+    torch.testing.assert_close(scores(f"label {dim}"), exact)
+    r = dim // 4
+    top = step.q.abs().topk(r, -1).indices
+    kept = torch.zeros_like(step.q).scatter(-1, top, 1.0) * step.q
+    torch.testing.assert_close(scores(f"sparq {r}"), scores("exact max", kept))
+    assert not torch.allclose(scores(f"sparq {r}"), exact)
+    got = scores(f"label {r}")
+    label = quest_rules.LABEL_CHANNELS[(0, r)]  # [1, Hk, group, R]: the same channels for every head of a group
+    assert torch.equal(label, label[:, :, :1].expand_as(label))
+    group_kept = torch.zeros_like(step.q).view(step.q.shape[0], PAGE_HK, -1, dim).scatter(
+        -1, label.expand(step.q.shape[0], -1, -1, -1), 1.0).flatten(1, 2) * step.q
+    torch.testing.assert_close(got, scores("exact max", group_kept))
