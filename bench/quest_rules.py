@@ -24,6 +24,8 @@ plus the sink and the most recent block as the engine keeps them:
 - label R: the same from R channels fixed per layer and KV head (Double Sparsity's label cache: a device copy of
   those channels of every key), chosen once, on the first decode step seen, by the group's mean |q_d| times the
   keys' mean |k_d|, and kept for every later step and sample;
+- fp8 / int8 / int4 keys max: exact max through a copy of every key in that format, one scale per token and KV head
+  (what a device-resident compressed key copy would rank by);
 - refine Nx: the group max's top N x budget pages as candidates, ranked by oracle max computed over the candidates,
   the sink and the recent block only (the keys such a rule would read);
 - rerank Nx: the engine's own `quest_rerank=N` (the bound's top N x budget pages ranked by their exact largest score;
@@ -54,7 +56,8 @@ from nanovllm.layers.sparse_policies import QuestSelector
 
 RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "softmax max", "mean query",
          "exact max", "refine 2x", "refine 4x", "refine 8x", "rerank 2x", "rerank 4x", "rerank 8x",
-         "sparq 8", "sparq 16", "label 4", "label 8", "label 16")
+         "sparq 8", "sparq 16", "label 4", "label 8", "label 16", "fp8 keys max", "int8 keys max",
+         "int4 keys max")
 
 
 def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
@@ -65,13 +68,27 @@ def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: De
     return q.clamp(min=0) @ hi + q.clamp(max=0) @ lo
 
 
-def head_logits(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
-    """[B, Hk, group, tokens]: each query head's true scores (keys read from the device pool), -inf past the keys."""
+def quantized(k: torch.Tensor, kind: str) -> torch.Tensor:
+    """k [..., D] through a key copy of `kind` ("fp8": e4m3; "int8", "int4": symmetric integers) with one scale per
+    token and KV head (its largest |k_d|), back in float32."""
+    scale = k.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    if kind == "fp8":
+        return (k / scale * 448).to(torch.float8_e4m3fn).float() * scale / 448
+    levels = {"int8": 127, "int4": 7}[kind]
+    return (k / scale * levels).round() * scale / levels
+
+
+def head_logits(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout,
+                key_copy: str | None = None) -> torch.Tensor:
+    """[B, Hk, group, tokens]: each query head's true scores (keys read from the device pool, through `quantized`
+    when key_copy names a kind), -inf past the keys."""
     keys = selector.device_keys[layer]  # [blocks, block_size, Hk, D]
     if bool(layout.on_host.any()):
         raise ValueError("the oracle rules read keys from the device pool: run without offload")
     batch = layout.blocks.shape[0]
     k = keys[layout.blocks.clamp(min=0)].flatten(1, 2).float()  # [B, tokens, Hk, D]
+    if key_copy is not None:
+        k = quantized(k, key_copy)
     q = q.float().view(batch, k.shape[2], -1, q.shape[-1])  # [B, Hk, group, D]
     logits = torch.einsum("bhgd,bthd->bhgt", q, k) / math.sqrt(q.shape[-1])
     present = torch.arange(k.shape[1], device=q.device)[None, :] < layout.seq_lens[:, None]
@@ -153,8 +170,8 @@ def rule_scores(rule: str):
             b = head_bounds(self, layer, q, layout)
             p = torch.softmax(b.masked_fill(~_holding(self, layout)[:, None, None], float("-inf")) * scale, -1)
             s = p.sum(2) if rule == "group softmax" else p.amax(2)
-        elif rule == "exact max":
-            logits = head_logits(self, layer, q, layout)
+        elif rule == "exact max" or rule.endswith("keys max"):
+            logits = head_logits(self, layer, q, layout, None if rule == "exact max" else rule.split()[0])
             s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
         elif rule.startswith(("sparq", "label")):
             r = int(rule.split()[1])

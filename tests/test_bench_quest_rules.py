@@ -94,3 +94,14 @@ def test_channel_rules_score_with_their_channels_only(monkeypatch):
     group_kept = torch.zeros_like(step.q).view(step.q.shape[0], PAGE_HK, -1, dim).scatter(
         -1, label.expand(step.q.shape[0], -1, -1, -1), 1.0).flatten(1, 2) * step.q
     torch.testing.assert_close(got, scores("exact max", group_kept))
+
+
+@pytest.mark.parametrize("kind, tolerance", [("fp8", 0.07), ("int8", 0.01), ("int4", 0.15)])
+def test_quantized_key_copies_round_trip_within_their_step(kind, tolerance):
+    """Each key copy's error is within its format's step of the token's largest |k_d| (keys from 0.01 to 100)."""
+    from quest_rules import quantized
+
+    k = torch.randn(64, 2, 16) * torch.logspace(-2, 2, 64)[:, None, None]
+    error = (quantized(k, kind) - k).abs().amax(-1) / k.abs().amax(-1)
+    assert float(error.max()) <= tolerance
+    assert float(error.max()) > tolerance / 10  # not the identity
