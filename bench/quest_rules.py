@@ -127,6 +127,8 @@ LABEL_CHANNELS: dict[tuple[int, int], torch.Tensor] = {}  # (layer, R): [1, Hk, 
 
 
 def label_channels(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout, r: int):
+    """The layer's R label channels per KV head, chosen at its first call (the group's mean |q_d| times the mean
+    |k_d| of the step's keys) and returned unchanged after."""
     if (layer, r) not in LABEL_CHANNELS:
         keys = selector.device_keys[layer][layout.blocks.clamp(min=0)].flatten(1, 2).float()
         key_size = keys.abs().mean((0, 1))  # [Hk, D]
