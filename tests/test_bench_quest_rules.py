@@ -62,7 +62,6 @@ def test_mass_rerank_keeps_what_the_refine_rule_keeps(seed, monkeypatch):
     assert not torch.equal(keeps["mass", False], keeps["max", False])
 
 
-
 def test_channel_rules_score_with_their_channels_only(monkeypatch):
     """"sparq R" is "exact max" of each query head's q with all but its R largest |q_d| zeroed; "label R" is the
     same with one set of channels per KV head; with every channel both are "exact max" itself."""
