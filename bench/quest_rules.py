@@ -107,20 +107,12 @@ def head_mass(selector: QuestSelector, layer: int, q: torch.Tensor, layout: Deco
     return p.view(*p.shape[:-1], -1, selector.bounds.page_size).sum(-1)
 
 
-def channel_logits(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout,
-                   channels: torch.Tensor) -> torch.Tensor:
-    """[B, Hk, group, tokens] scores from only the channels [B or 1, Hk, group, R] of q and of every key."""
-    keys = selector.device_keys[layer]
-    batch = layout.blocks.shape[0]
-    k = keys[layout.blocks.clamp(min=0)].flatten(1, 2).float().permute(0, 2, 1, 3)  # [B, Hk, tokens, D]
-    q = q.float().view(batch, k.shape[1], -1, q.shape[-1])  # [B, Hk, group, D]
-    channels = channels.expand(batch, -1, -1, -1)
-    q_part = q.gather(-1, channels)  # [B, Hk, group, R]
-    k_part = k[:, :, None].expand(-1, -1, q.shape[2], -1, -1).gather(
-        -1, channels[:, :, :, None, :].expand(-1, -1, -1, k.shape[2], -1))  # [B, Hk, group, tokens, R]
-    logits = torch.einsum("bhgr,bhgtr->bhgt", q_part, k_part) / math.sqrt(q.shape[-1])  # head_logits' scale
-    present = torch.arange(k.shape[2], device=q.device)[None, :] < layout.seq_lens[:, None]
-    return logits.masked_fill(~present[:, None, None, :], float("-inf"))
+def only_channels(q: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D] with all but the channels [B or 1, Hk, group, R] of each query head zeroed: its scores against
+    full keys are those of the channels alone."""
+    heads = q.view(q.shape[0], channels.shape[1], -1, q.shape[-1])
+    keep = torch.zeros_like(heads).scatter(-1, channels.expand(q.shape[0], -1, -1, -1), 1.0)
+    return (heads * keep).flatten(1, 2)
 
 
 LABEL_CHANNELS: dict[tuple[int, int], torch.Tensor] = {}  # (layer, R): [1, Hk, group, R], chosen once
@@ -172,16 +164,13 @@ def rule_scores(rule: str):
             b = head_bounds(self, layer, q, layout)
             p = torch.softmax(b.masked_fill(~_holding(self, layout)[:, None, None], float("-inf")) * scale, -1)
             s = p.sum(2) if rule == "group softmax" else p.amax(2)
-        elif rule == "exact max" or rule.endswith("keys max"):
-            logits = head_logits(self, layer, q, layout, None if rule == "exact max" else rule.split()[0])
-            s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
-        elif rule.startswith(("sparq", "label")):
-            r = int(rule.split()[1])
+        elif rule == "exact max" or rule.endswith("keys max") or rule.startswith(("sparq", "label")):
             if rule.startswith("sparq"):
-                channels = q.float().view(q.shape[0], num_kv_heads, -1, q.shape[-1]).abs().topk(r, -1).indices
-            else:
-                channels = label_channels(self, layer, q, layout, r)
-            logits = channel_logits(self, layer, q, layout, channels)
+                r = int(rule.split()[1])
+                q = only_channels(q, q.view(q.shape[0], num_kv_heads, -1, q.shape[-1]).abs().topk(r, -1).indices)
+            elif rule.startswith("label"):
+                q = only_channels(q, label_channels(self, layer, q, layout, int(rule.split()[1])))
+            logits = head_logits(self, layer, q, layout, rule.split()[0] if rule.endswith("keys max") else None)
             s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
         elif rule.startswith("refine"):
             s = refined(self, layer, q, layout, int(rule.split()[1].rstrip("x")))
