@@ -62,7 +62,7 @@ RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax",
 
 def head_bounds(selector: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayout) -> torch.Tensor:
     """[B, Hk, group, pages]: each query head's Quest bound on each page of its sequence's blocks."""
-    lo, hi = selector.bounds.layout_pages(layer, layout)  # [B, pages, Hk, D]
+    lo, hi = selector.metadata.layout_pages(layer, layout)  # [B, pages, Hk, D]
     lo, hi = lo.float().permute(0, 2, 3, 1), hi.float().permute(0, 2, 3, 1)  # [B, Hk, D, pages]
     q = q.float().view(q.shape[0], lo.shape[1], -1, q.shape[-1])
     return q.clamp(min=0) @ hi + q.clamp(max=0) @ lo
@@ -101,10 +101,10 @@ def head_mass(selector: QuestSelector, layer: int, q: torch.Tensor, layout: Deco
     softmax over these pages' keys only."""
     logits = head_logits(selector, layer, q, layout)
     if visible is not None:
-        tokens = visible.repeat_interleave(selector.bounds.page_size, -1)[:, :, None, : logits.shape[-1]]
+        tokens = visible.repeat_interleave(selector.metadata.page_size, -1)[:, :, None, : logits.shape[-1]]
         logits = logits.masked_fill(~tokens, float("-inf"))
     p = torch.softmax(logits, -1)
-    return p.view(*p.shape[:-1], -1, selector.bounds.page_size).sum(-1)
+    return p.view(*p.shape[:-1], -1, selector.metadata.page_size).sum(-1)
 
 
 def only_channels(q: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def refined(self: QuestSelector, layer: int, q: torch.Tensor, layout: DecodeLayo
     """[B, Hk, pages]: the group max's top factor x budget pages of the middle, ranked by the oracle max over
     them with the sink and the recent block (other pages -inf)."""
     bound = head_bounds(self, layer, q, layout).amax(2).masked_fill(~_holding(self, layout)[:, None], float("-inf"))
-    per_block = self.bounds.pages_per_block
+    per_block = self.metadata.pages_per_block
     sink, recent = self.sink_blocks * per_block, self.recent_blocks * per_block
     ends = layout.valid.sum(1) * per_block  # [B] page columns
     column = torch.arange(bound.shape[-1], device=bound.device)[None, :]
@@ -171,7 +171,7 @@ def rule_scores(rule: str):
             elif rule.startswith("label"):
                 q = only_channels(q, label_channels(self, layer, q, layout, int(rule.split()[1])))
             logits = head_logits(self, layer, q, layout, rule.split()[0] if rule.endswith("keys max") else None)
-            s = logits.view(*logits.shape[:-1], -1, self.bounds.page_size).amax(-1).amax(2)
+            s = logits.view(*logits.shape[:-1], -1, self.metadata.page_size).amax(-1).amax(2)
         elif rule.startswith("refine"):
             s = refined(self, layer, q, layout, int(rule.split()[1].rstrip("x")))
         elif rule == "mean query":
@@ -185,8 +185,8 @@ def rule_scores(rule: str):
 
 def _holding(selector: QuestSelector, layout: DecodeLayout) -> torch.Tensor:
     """[B, pages] pages that hold keys."""
-    pages = layout.blocks.shape[1] * selector.bounds.pages_per_block
-    written = -(-layout.seq_lens // selector.bounds.page_size)
+    pages = layout.blocks.shape[1] * selector.metadata.pages_per_block
+    written = -(-layout.seq_lens // selector.metadata.page_size)
     return torch.arange(pages, device=layout.seq_lens.device)[None, :] < written[:, None]
 
 

@@ -11,6 +11,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 SPARSE_POLICIES = ("full", "xattention", "quest", "xattention+quest")
 XATTN_COVERS = ("group", "head")
 QUEST_RERANK_SCORES = ("max", "mass")
+QUEST_KEY_COPIES = ("none", "int8")
 _DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "vllm")
 NOT_OPTIONS = ("model", "model_path", "hf_config")
@@ -57,6 +58,9 @@ class EngineConfig:
     # Quest: how the rerank ranks its candidates: "max", a page's largest q . k over the group's query heads; "mass",
     # each query head's softmax mass on the page among the candidates, sink and recent pages, the group's maximum
     quest_rerank_score: str = "max"
+    # Quest: "int8": an int8 copy of every key (a scale per token and KV head; 0.52x the bf16 keys' bytes, on the
+    # device for host blocks too) scores each page exactly (its largest q . k): no bound, no rerank, no host key read
+    quest_key_copy: str = "none"
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)
@@ -155,6 +159,8 @@ class EngineConfig:
         if self.quest_rerank_score not in QUEST_RERANK_SCORES:
             raise ValueError(f"quest_rerank_score must be one of {QUEST_RERANK_SCORES}, "
                              f"got {self.quest_rerank_score!r}")
+        if self.quest_key_copy not in QUEST_KEY_COPIES:
+            raise ValueError(f"quest_key_copy must be one of {QUEST_KEY_COPIES}, got {self.quest_key_copy!r}")
         if not isinstance(self.quest_page_select, bool):
             raise ValueError(f"quest_page_select must be a bool, got {self.quest_page_select!r}")
         for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):

@@ -205,7 +205,7 @@ def test_a_selector_swapped_in_after_capture_narrows_eagerly(tiny_llama):
     assert narrowed.captured(selector, 1, Graphs)
     selector.token_budget = 4 * BS
     assert not narrowed.captured(selector, 1, Graphs)
-    assert not narrowed.captured(QuestSelector(selector.bounds, 2 * BS, 0, 0), 1, Graphs)
+    assert not narrowed.captured(QuestSelector(selector.metadata, 2 * BS, 0, 0), 1, Graphs)
     selector.token_budget = 2 * BS
     captured_rerank = selector.rerank
     selector.rerank = captured_rerank + 1

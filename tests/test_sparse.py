@@ -7,7 +7,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import PagedKVCache
-from nanovllm.layers.block_metadata import BlockKeyBounds
+from nanovllm.layers.block_metadata import BlockKeyBounds, BlockKeyCopy
 from nanovllm.layers.block_selector import SelectionInput
 from nanovllm.layers.sparse_policies import QuestSelector
 
@@ -34,6 +34,7 @@ BS = 16
     ("quest_page_select", 1, "quest_page_select must be a bool"),
     ("quest_rerank", 0, "quest_rerank must be a positive integer"),
     ("quest_rerank_score", "sum", r"quest_rerank_score must be one of \('max', 'mass'\)"),
+    ("quest_key_copy", "fp4", r"quest_key_copy must be one of \('none', 'int8'\)"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
 ])
 def test_bad_sparse_options_name_the_limit(tiny_llama, option, value, message):
@@ -657,13 +658,14 @@ class PageStep:
 
     SEQ_LENS = [9 * PAGE_BS + 5, 2 * PAGE_BS + 20, 6 * PAGE_BS, 11 * PAGE_BS + 33]
 
-    def __init__(self, seed: int, offload: bool, num_blocks: int = 40, num_host: int = 20):
+    def __init__(self, seed: int, offload: bool, num_blocks: int = 40, num_host: int = 20, key_copy: bool = False):
+        """key_copy: `bounds` is an int8 key copy (BlockKeyCopy, filled lazily) instead of the hook's bounds."""
         from nanovllm.engine.offload.host_pool import HostKVPool
 
         g = torch.Generator().manual_seed(seed)
         self.cache = PagedKVCache(1, num_blocks, PAGE_BS, PAGE_HK, PAGE_D, torch.float32, torch.device("cpu"))
-        self.bounds = BlockKeyBounds(1, num_blocks, num_host, PAGE_BS, PAGE_HK, PAGE_D, torch.device("cpu"),
-                                     page_size=16)
+        self.bounds = BlockKeyCopy(self.cache.data[0], num_host) if key_copy else \
+            BlockKeyBounds(1, num_blocks, num_host, PAGE_BS, PAGE_HK, PAGE_D, torch.device("cpu"), page_size=16)
         self.cache.hooks.append(self.bounds)
         free = torch.randperm(num_blocks, generator=g).tolist()
         self.tables = [[free.pop() for _ in range(-(-n // PAGE_BS))] for n in self.SEQ_LENS]

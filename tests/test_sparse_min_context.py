@@ -58,7 +58,7 @@ def test_steps_below_min_context_do_the_work_of_full(tiny_llama, policy):
 
 def quest_bounds(llm: LLM):
     selector = llm.runner.worker.selector
-    return getattr(selector, "decode", selector).bounds
+    return getattr(selector, "decode", selector).metadata
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])

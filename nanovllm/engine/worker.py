@@ -30,6 +30,7 @@ from nanovllm.layers.block_selector import BlockSelector, DenseSelector, SparseS
 from nanovllm.layers.fused_ops import get_layer_ops
 from nanovllm.layers.kv_access import DeviceKV, KVAccess
 from nanovllm.layers.sampler import logprob_entries, sample, sample_on_device
+from nanovllm.layers.block_metadata import BlockKeyCopy
 from nanovllm.layers.sparse_policies import build_sparse_policy
 from nanovllm.models.loader import build_model
 
@@ -102,7 +103,8 @@ class Worker:
         return int(host_kv_bytes(self.config) // self.bytes_per_block)
 
     def _mirrored_layers(self) -> int:
-        """Quest's dense layers read every block each step: in offload mode their KV stays on the device."""
+        """Quest's dense layers read every block each step: in offload mode their KV stays on the device (and
+        they need no key copy)."""
         return min(self.config.quest_dense_layers, self.kv_shape[0]) if "quest" in self.config.sparse_policy else 0
 
     def _make_host_pool(self) -> HostKVPool:
@@ -112,11 +114,19 @@ class Worker:
                              f"({self.bytes_per_block} bytes each)")
         return HostKVPool(self.kv_cache, host_blocks, self._ring_blocks(), self._mirrored_layers())
 
+    def _key_copy_bytes_per_block(self) -> int:
+        """Device bytes of Quest's int8 key copy (quest_key_copy) per block of either pool."""
+        if "quest" not in self.config.sparse_policy or self.config.quest_key_copy != "int8":
+            return 0
+        return BlockKeyCopy.bytes_per_block(self.kv_shape[0] - self._mirrored_layers(), *self.kv_shape[1:])
+
     def _blocks_that_fit(self) -> int:
-        """Reserved beside the device pool in offload mode: the ring and the mirrored layers' host blocks."""
-        per_layer_block = self.bytes_per_block // self.kv_shape[0]
+        """Reserved beside the device pool in offload mode: the ring, the mirrored layers' host blocks and
+        the host blocks' key copy."""
+        per_layer_block, copy = self.bytes_per_block // self.kv_shape[0], self._key_copy_bytes_per_block()
         reserved = (RING_SLOTS * self._ring_blocks() + self._host_blocks() * self._mirrored_layers()) * per_layer_block
-        return kv_blocks_that_fit(self.config, self.device, self.bytes_per_block,
+        reserved += self._host_blocks() * copy
+        return kv_blocks_that_fit(self.config, self.device, self.bytes_per_block + copy,
                                   reserved if self.config.enable_cpu_offload else 0, self._warm_up_peak)
 
     def _warm_up_peak(self) -> int:

@@ -24,55 +24,15 @@ import torch
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
 
-class BlockKeyBounds:
-    def __init__(self, num_layers: int, num_blocks: int, num_host_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, page_size: int | None = None, dtype: torch.dtype = torch.float32,
-                 keys: torch.Tensor | None = None):
-        """keys: the device pool's keys [layers, blocks, block_size, Hk, D], from which `fill` computes the
-        bounds; None: the write hook keeps them."""
-        self.page_size = page_size or block_size
-        if block_size % self.page_size:
-            raise ValueError(f"page_size={self.page_size} must divide block_size={block_size}")
-        self.pages_per_block = block_size // self.page_size
-        self.block_size = block_size
-        shape = (num_layers, num_blocks * self.pages_per_block, num_kv_heads, head_dim)
-        self.min = torch.full(shape, float("inf"), dtype=dtype, device=device)
-        self.max = torch.full(shape, float("-inf"), dtype=dtype, device=device)
-        host_shape = (num_layers, num_host_blocks * self.pages_per_block, num_kv_heads, head_dim)
-        self.host_min = torch.full(host_shape, float("inf"), dtype=dtype, device=device)
-        self.host_max = torch.full(host_shape, float("-inf"), dtype=dtype, device=device)
-        # Scratch flags: pages a write restarts; the extra last row absorbs the slots that restart nothing.
-        self._fresh = torch.zeros(shape[1] + 1, dtype=torch.bool, device=device)
+class LazyKeyMetadata:
+    """What lazily filled key metadata shares: which device blocks' rows are ready, and per sequence its first
+    blocks found ready by the last fill. Subclasses compute their rows from `keys` (`_compute`) and copy
+    device rows to host rows on a move (`_copy_to_host`)."""
+
+    def __init__(self, num_blocks: int, keys: torch.Tensor | None):
         self.keys = keys
-        # Filled lazily: which device blocks' rows hold the bounds of their (full) keys, and per sequence
-        # its first blocks (ids, on host) found ready by the last fill
         self.ready = np.zeros(num_blocks, dtype=bool)
         self._checked: dict[int, tuple[list[int], list[bool]]] = {}
-
-    def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """A write at a page's first slot starts the page afresh (its block was free and may hold another
-        sequence's bounds). No host sync: safe inside CUDA graphs. Nothing when filled lazily."""
-        if self.keys is not None:
-            return
-        pages = slots // self.page_size
-        starts = torch.where(slots % self.page_size == 0, pages, self._fresh.shape[0] - 1)
-        self._fresh.index_fill_(0, starts, True)
-        fresh = self._fresh.index_select(0, pages)[:, None, None]
-        keys = k.to(self.min.dtype)
-        for bound, reduce, empty in ((self.min[layer], "amin", float("inf")), (self.max[layer], "amax", float("-inf"))):
-            bound.index_copy_(0, pages, torch.where(fresh, empty, bound.index_select(0, pages)))
-            bound.index_reduce_(0, pages, keys, reduce)
-        self._fresh.index_fill_(0, starts, False)
-
-    def on_move(self, moves: list[tuple[int, int]]) -> None:
-        """Filled lazily, a moved block not ready gets its bounds from its device keys first (moved blocks
-        are full and still hold them): host blocks are always ready, and their keys are never read back."""
-        if self.keys is not None:
-            self._ensure([d for d, _ in moves])
-        device_pages = self._pages([d for d, _ in moves])
-        host_pages = self._pages([h for _, h in moves])
-        self.host_min.index_copy_(1, host_pages, self.min.index_select(1, device_pages))
-        self.host_max.index_copy_(1, host_pages, self.max.index_select(1, device_pages))
 
     def written(self, blocks: list[int]) -> None:
         """These device blocks get new keys: their lazily filled bounds are stale."""
@@ -101,6 +61,56 @@ class BlockKeyBounds:
         if len(missing):
             self._compute(missing.tolist())
             self.ready[missing] = True
+
+    def _compute(self, blocks: list[int]) -> None:
+        raise NotImplementedError
+
+
+class BlockKeyBounds(LazyKeyMetadata):
+    def __init__(self, num_layers: int, num_blocks: int, num_host_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device, page_size: int | None = None, dtype: torch.dtype = torch.float32,
+                 keys: torch.Tensor | None = None):
+        """keys: the device pool's keys [layers, blocks, block_size, Hk, D], from which `fill` computes the
+        bounds; None: the write hook keeps them."""
+        self.page_size = page_size or block_size
+        if block_size % self.page_size:
+            raise ValueError(f"page_size={self.page_size} must divide block_size={block_size}")
+        self.pages_per_block = block_size // self.page_size
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * self.pages_per_block, num_kv_heads, head_dim)
+        self.min = torch.full(shape, float("inf"), dtype=dtype, device=device)
+        self.max = torch.full(shape, float("-inf"), dtype=dtype, device=device)
+        host_shape = (num_layers, num_host_blocks * self.pages_per_block, num_kv_heads, head_dim)
+        self.host_min = torch.full(host_shape, float("inf"), dtype=dtype, device=device)
+        self.host_max = torch.full(host_shape, float("-inf"), dtype=dtype, device=device)
+        # Scratch flags: pages a write restarts; the extra last row absorbs the slots that restart nothing.
+        self._fresh = torch.zeros(shape[1] + 1, dtype=torch.bool, device=device)
+        super().__init__(num_blocks, keys)
+
+    def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """A write at a page's first slot starts the page afresh (its block was free and may hold another
+        sequence's bounds). No host sync: safe inside CUDA graphs. Nothing when filled lazily."""
+        if self.keys is not None:
+            return
+        pages = slots // self.page_size
+        starts = torch.where(slots % self.page_size == 0, pages, self._fresh.shape[0] - 1)
+        self._fresh.index_fill_(0, starts, True)
+        fresh = self._fresh.index_select(0, pages)[:, None, None]
+        keys = k.to(self.min.dtype)
+        for bound, reduce, empty in ((self.min[layer], "amin", float("inf")), (self.max[layer], "amax", float("-inf"))):
+            bound.index_copy_(0, pages, torch.where(fresh, empty, bound.index_select(0, pages)))
+            bound.index_reduce_(0, pages, keys, reduce)
+        self._fresh.index_fill_(0, starts, False)
+
+    def on_move(self, moves: list[tuple[int, int]]) -> None:
+        """Filled lazily, a moved block not ready gets its bounds from its device keys first (moved blocks
+        are full and still hold them): host blocks are always ready, and their keys are never read back."""
+        if self.keys is not None:
+            self._ensure([d for d, _ in moves])
+        device_pages = self._pages([d for d, _ in moves])
+        host_pages = self._pages([h for _, h in moves])
+        self.host_min.index_copy_(1, host_pages, self.min.index_select(1, device_pages))
+        self.host_max.index_copy_(1, host_pages, self.max.index_select(1, device_pages))
 
     def _compute(self, blocks: list[int], chunk_bytes: int = 2**26) -> None:
         """The bounds of these device blocks' pages from their keys, in chunks of about chunk_bytes."""
@@ -142,3 +152,86 @@ class BlockKeyBounds:
         lo = torch.where(host, self.host_min[layer][host_rows], self.min[layer][device_rows])
         hi = torch.where(host, self.host_max[layer][host_rows], self.max[layer][device_rows])
         return lo, hi
+
+
+class BlockKeyCopy(LazyKeyMetadata):
+    """An int8 copy of the keys of layers first_layer.. of the device pool `keys` [layers, blocks, block_size,
+    Hk, D]: per token and KV head the codes round(k / s) and the scale s = max |k| / 127, so k ~ s * codes
+    (D + 4 bytes per token and KV head: 0.52x the keys' bf16 bytes). Like the bounds it lives on the device
+    for every block, device- and host-resident alike, and is filled lazily: a block's rows are computed from
+    its keys when a selection first needs them or when it moves to the host. Quest scores each page exactly
+    through it (its largest q . k), which needs no bound and, in offload mode, no host key read."""
+
+    def __init__(self, keys: torch.Tensor, num_host_blocks: int, first_layer: int = 0, page_size: int = 16):
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim = keys.shape
+        if block_size % page_size:
+            raise ValueError(f"page_size={page_size} must divide block_size={block_size}")
+        super().__init__(num_blocks, keys)
+        self.first_layer, self.block_size, self.page_size = first_layer, block_size, page_size
+        self.pages_per_block = block_size // page_size
+        layers, device = num_layers - first_layer, keys.device
+        self.codes = torch.zeros(layers, num_blocks * block_size, num_kv_heads, head_dim, dtype=torch.int8, device=device)
+        self.scales = torch.zeros(layers, num_blocks * block_size, num_kv_heads, dtype=torch.float32, device=device)
+        host_rows = num_host_blocks * block_size
+        self.host_codes = torch.zeros(layers, host_rows, num_kv_heads, head_dim, dtype=torch.int8, device=device)
+        self.host_scales = torch.zeros(layers, host_rows, num_kv_heads, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        return num_layers * block_size * num_kv_heads * (head_dim + 4)
+
+    def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Filled lazily: writes only make blocks stale (`written`)."""
+
+    def on_move(self, moves: list[tuple[int, int]]) -> None:
+        self._ensure([d for d, _ in moves])
+        device_rows, host_rows = self._rows([d for d, _ in moves]), self._rows([h for _, h in moves])
+        self.host_codes.index_copy_(1, host_rows, self.codes.index_select(1, device_rows))
+        self.host_scales.index_copy_(1, host_rows, self.scales.index_select(1, device_rows))
+
+    def _compute(self, blocks: list[int], chunk_bytes: int = 2**26) -> None:
+        keys = self.keys[self.first_layer :]
+        step = max(1, chunk_bytes // (keys[:, 0].numel() * 4))
+        for i in range(0, len(blocks), step):
+            chunk = blocks[i : i + step]
+            k = keys[:, torch.tensor(chunk, dtype=torch.int64).to(keys.device, non_blocking=True)].float()
+            k = k.flatten(1, 2)  # [layers, rows, Hk, D]
+            scales = k.abs().amax(-1) / 127
+            codes = (k / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().to(torch.int8)
+            rows = self._rows(chunk)
+            self.codes.index_copy_(1, rows, codes)
+            self.scales.index_copy_(1, rows, scales)
+
+    def _rows(self, blocks: list[int]) -> torch.Tensor:
+        ids = torch.tensor(blocks, dtype=torch.int64)[:, None] * self.block_size + torch.arange(self.block_size)
+        return ids.flatten().to(self.codes.device, non_blocking=True)
+
+    def layer_arrays(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, scales, host codes, host scales) of a model layer (one at or past first_layer)."""
+        i = layer - self.first_layer
+        return self.codes[i], self.scales[i], self.host_codes[i], self.host_scales[i]
+
+    def block_keys(self, layer: int, blocks: list[int], on_host: list[bool] | None) -> torch.Tensor:
+        """[len(blocks) * block_size, Hk, D] float32 keys of these blocks (ids within their pool) as the copy
+        holds them, in order."""
+        rows = self._rows(blocks)[None]
+        host = torch.tensor(on_host or [False] * len(blocks)).repeat_interleave(self.block_size)[None]
+        return self._dequantized(layer, rows, host.to(rows.device))[0]
+
+    def layout_keys(self, layer: int, layout) -> torch.Tensor:
+        """[B, W * block_size, Hk, D] float32 keys of a decode layout's blocks as the copy holds them (padding
+        blocks read block 0's; callers mask them)."""
+        step = torch.arange(self.block_size, device=layout.blocks.device)
+        rows = (layout.blocks.clamp(min=0)[..., None] * self.block_size + step).flatten(1)
+        return self._dequantized(layer, rows, layout.on_host.repeat_interleave(self.block_size, 1))
+
+    def _dequantized(self, layer: int, rows: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """[B, N, Hk, D] float32 keys of rows [B, N], host rows where host [B, N] is set."""
+        codes, scales, host_codes, host_scales = self.layer_arrays(layer)
+        device_rows = torch.where(host, 0, rows)
+        keys = codes[device_rows].float() * scales[device_rows][..., None]
+        if host_codes.shape[0] == 0:
+            return keys
+        host_rows = torch.where(host, rows, 0)
+        host_keys = host_codes[host_rows].float() * host_scales[host_rows][..., None]
+        return torch.where(host[..., None, None], host_keys, keys)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.config import QUEST_RERANK_SCORES
-from nanovllm.layers.block_metadata import BlockKeyBounds
+from nanovllm.layers.block_metadata import BlockKeyBounds, BlockKeyCopy
 from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput
 
 if TYPE_CHECKING:
@@ -51,11 +51,13 @@ class QuestSelector(BlockSelector):
     name = "quest"
     narrows = True
 
-    def __init__(self, bounds: BlockKeyBounds, token_budget: int, dense_layers: int, min_context: int,
+    def __init__(self, metadata: BlockKeyBounds | BlockKeyCopy, token_budget: int, dense_layers: int, min_context: int,
                  sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
                  max_model_len: int | None = None, rerank: int = 1, device_keys: torch.Tensor | None = None,
                  host_keys: torch.Tensor | None = None, rerank_score: str = "max"):
-        """page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
+        """metadata: what pages are scored by: Quest's bounds (BlockKeyBounds: the upper bound, then the rerank)
+        or an int8 copy of every key (BlockKeyCopy: each page's largest q . k through the copy, on every page;
+        no rerank). page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
         (token_budget // page_size of them) rather than its top blocks, plus the sink and recent blocks'
         pages; select() keeps selecting blocks (the strategies send a mixed step's decode rows to
         decode_keep too, `MixedRows`). max_model_len: the longest sequence; with it every narrow() on CUDA
@@ -63,7 +65,7 @@ class QuestSelector(BlockSelector):
         column, ranked by their keys: device_keys [layers, blocks, block_size, Hk, D] (the device pool's; needed
         when rerank > 1) and host_keys [layers, host blocks, block_size, Hk, D] for host blocks. rerank_score:
         "max" (a candidate's largest q . k) or "mass" (its softmax mass, `_mass_scores`)."""
-        self.bounds = bounds
+        self.metadata, self.exact = metadata, isinstance(metadata, BlockKeyCopy)
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
         self.max_model_len, self.rerank, self.rerank_score = max_model_len, rerank, rerank_score
@@ -71,8 +73,10 @@ class QuestSelector(BlockSelector):
         # narrow() on CUDA through one Triton kernel (kernels/triton_quest.ordered_top_columns) instead of
         # top-k + sort (1.13x the narrowed 128K offload step at budget 2048, docs/BENCHMARKS.md)
         self.ordered_top = True
-        if bounds.keys is not None and recent_blocks < 1:
+        if metadata.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
+        if rerank > 1 and self.exact:
+            raise ValueError(f"rerank={rerank}: the key copy scores every page exactly, there is nothing to rerank")
         if rerank > 1 and device_keys is None:
             raise ValueError(f"rerank={rerank} ranks candidates by their keys: device_keys is needed")
         if rerank_score not in QUEST_RERANK_SCORES:
@@ -114,7 +118,7 @@ class QuestSelector(BlockSelector):
         return [n >= self.min_context and (-(-n // block_size) - fixed) * per_block > budget for n in seq_lens]
 
     def decode_page_size(self, block_size: int) -> int:
-        return self.bounds.page_size if self.page_select else block_size
+        return self.metadata.page_size if self.page_select else block_size
 
     def _budget(self, block_size: int) -> int:
         """Columns (blocks, or pages) each KV head keeps between the sink and the recent blocks."""
@@ -131,19 +135,19 @@ class QuestSelector(BlockSelector):
         """Lazily filled bounds: the step's written blocks are stale, and the full blocks of its sparse decode
         rows get exact bounds (each block's once; the most recent block, the only one not full, is always
         kept, so its bounds are never read)."""
-        if self.bounds.keys is None:
+        if self.metadata.keys is None:
             return
         # a prefill row of a sequence may be its recompute after a preemption: its blocks are checked afresh
-        self.bounds.forget(plan.released + [i for i, q in zip(plan.seq_ids, plan.query_lens) if q > 1])
-        bs = self.bounds.block_size
+        self.metadata.forget(plan.released + [i for i, q in zip(plan.seq_ids, plan.query_lens) if q > 1])
+        bs = self.metadata.block_size
         written = [b for table, q, n in zip(plan.block_tables, plan.query_lens, plan.seq_lens)
                    for b in table[(n - q) // bs : -(-n // bs)]]
-        self.bounds.written(written)
+        self.metadata.written(written)
         sparse = self.sparse_rows(bs, plan.seq_lens)
         for i, (seq_id, q, n) in enumerate(zip(plan.seq_ids, plan.query_lens, plan.seq_lens)):
             if sparse[i] and q == 1:
                 full = (n - 1) // bs
-                self.bounds.fill(seq_id, plan.block_tables[i][:full], plan.on_host[i] if plan.on_host else None)
+                self.metadata.fill(seq_id, plan.block_tables[i][:full], plan.on_host[i] if plan.on_host else None)
 
     def decode_keep(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                     key_reads: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
@@ -174,8 +178,11 @@ class QuestSelector(BlockSelector):
         return super().narrowing(block_size) + (self.rerank, self.rerank_score)
 
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
-        _, _, num_kv_heads, head_dim = self.bounds.min.shape
-        block_size = self.bounds.block_size
+        block_size = self.metadata.block_size
+        if self.exact:  # on CUDA the kernel reads the copy in place; the reference dequantizes it and multiplies
+            _, _, num_kv_heads, head_dim = self.metadata.codes.shape
+            return max_blocks * block_size * num_kv_heads * (4 if self.metadata.codes.is_cuda else head_dim * 4 + 64)
+        _, _, num_kv_heads, head_dim = self.metadata.min.shape
         # rerank: the candidates' keys gathered (twice with host blocks) and in float32, their scores; "mass" also
         # the sink and recent columns' keys and per query head a log-sum-exp and a mass (group <= head_dim)
         columns, mass = self.rerank * self._budget(block_size), self.rerank_score == "mass"
@@ -183,9 +190,9 @@ class QuestSelector(BlockSelector):
             columns += (self.sink_blocks + self.recent_blocks) * (block_size // self.decode_page_size(block_size))
         per_column = (self.decode_page_size(block_size) * 12 + (16 if mass else 0)) * num_kv_heads * head_dim
         reranked = 0 if self.rerank == 1 else columns * per_column
-        if self.bounds.min.is_cuda:  # the kernel reads the bounds in place: scores, masks and tables per column
+        if self.metadata.min.is_cuda:  # the kernel reads the bounds in place: scores, masks and tables per column
             return max_blocks * block_size // self.decode_page_size(block_size) * num_kv_heads * 64 + reranked
-        return max_blocks * self.bounds.pages_per_block * num_kv_heads * head_dim * 16 + reranked  # min, max, float32
+        return max_blocks * self.metadata.pages_per_block * num_kv_heads * head_dim * 16 + reranked  # min, max, float32
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                key_reads: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -301,7 +308,7 @@ class QuestSelector(BlockSelector):
     def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
         """Compiles the ordered top kernel's variants of this engine (rows within the register chunk and, for
         sequences longer than it, rows read in chunks) so that no request waits for them."""
-        block_size = self.bounds.block_size
+        block_size = self.metadata.block_size
         columns = self._max_columns(block_size)
         if not (self.ordered_top and device.type == "cuda" and columns):
             return
@@ -334,34 +341,63 @@ class QuestSelector(BlockSelector):
         keys); pages: on each page, [B, Hk, blocks * pages_per_block]. Per dimension max(q*max, q*min) is
         q+ * max + q- * min (max >= min), so the bound of a page is two matrix products. On CUDA one
         Triton kernel reads the bounds through the tables (kernels/triton_quest.py); this is its reference."""
+        if self.exact:
+            return self.copy_scores(layer, q, num_kv_heads, layout, pages)
         if q.is_cuda:
             from nanovllm.kernels.triton_quest import quest_block_scores
 
-            b = self.bounds
+            b = self.metadata
             return quest_block_scores(q, b.min[layer], b.max[layer], b.host_min[layer], b.host_max[layer], layout.ids,
                                       layout.seq_lens, b.block_size, b.page_size, layout.base, pages=pages)
-        lo, hi = self.bounds.layout_pages(layer, layout)  # [B, pages, Hk, D]
+        lo, hi = self.metadata.layout_pages(layer, layout)  # [B, pages, Hk, D]
         batch_size, num_pages = lo.shape[:2]
         q = q.float().view(batch_size, num_kv_heads, -1, q.shape[-1])  # [B, Hk, group, D]
         lo, hi = lo.float().permute(0, 2, 3, 1), hi.float().permute(0, 2, 3, 1)  # [B, Hk, D, pages]
         page_scores = (q.clamp(min=0) @ hi + q.clamp(max=0) @ lo).amax(2)  # [B, Hk, pages]
-        written = -(-layout.seq_lens // self.bounds.page_size)  # pages holding keys
+        written = -(-layout.seq_lens // self.metadata.page_size)  # pages holding keys
         holding = torch.arange(num_pages, device=q.device)[None, :] < written[:, None]
         page_scores = page_scores.masked_fill(~holding[:, None, :], float("-inf"))
         if pages:
             return page_scores
-        return page_scores.view(batch_size, num_kv_heads, -1, self.bounds.pages_per_block).amax(-1)
+        return page_scores.view(batch_size, num_kv_heads, -1, self.metadata.pages_per_block).amax(-1)
+
+    def copy_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
+                    pages: bool = False) -> torch.Tensor:
+        """batch_block_scores through the key copy: each block's (pages: page's) largest q . k over its keys
+        before the sequence's end and the KV head's query heads, the keys as the copy holds them; -inf past
+        them. On CUDA one Triton kernel (kernels/triton_quest.key_copy_scores); this is its reference."""
+        copy = self.metadata
+        if q.is_cuda:
+            from nanovllm.kernels.triton_quest import key_copy_scores
+
+            return key_copy_scores(q, *copy.layer_arrays(layer), layout.ids, layout.seq_lens, copy.block_size,
+                                   copy.page_size, layout.base, pages=pages)
+        keys = copy.layout_keys(layer, layout)  # [B, tokens, Hk, D]
+        group = q.float().view(q.shape[0], num_kv_heads, -1, q.shape[-1])
+        scores = torch.einsum("bhgd,bthd->bhgt", group, keys).amax(2)  # [B, Hk, tokens]
+        past = torch.arange(scores.shape[-1], device=q.device)[None, :] >= layout.seq_lens[:, None]
+        scores = scores.masked_fill(past[:, None, :], float("-inf"))
+        size = copy.page_size if pages else copy.block_size
+        return scores.view(*scores.shape[:2], -1, size).amax(-1)
 
     def block_scores(self, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput,
                      i: int) -> torch.Tensor:
-        """[Hk, num_blocks] upper bounds of sequence i's query q [Hq, D] on each of its blocks."""
+        """[Hk, num_blocks] upper bounds of sequence i's query q [Hq, D] on each of its blocks (through the key
+        copy: each block's largest q . k)."""
         n = batch.num_blocks(i)
-        lo, hi = self.bounds.block_pages(layer, batch.block_tables[i][:n], batch.on_host[i][:n] if batch.on_host else None)
+        if self.exact:
+            on_host = batch.on_host[i][:n] if batch.on_host else None
+            keys = self.metadata.block_keys(layer, batch.block_tables[i][:n], on_host)
+            group = q.float().view(num_kv_heads, -1, q.shape[-1])
+            scores = torch.einsum("hgd,thd->hgt", group, keys).amax(1)  # [Hk, tokens]
+            scores[:, batch.seq_lens[i]:] = float("-inf")
+            return scores.view(num_kv_heads, n, -1).amax(-1)
+        lo, hi = self.metadata.block_pages(layer, batch.block_tables[i][:n], batch.on_host[i][:n] if batch.on_host else None)
         group = q.shape[0] // num_kv_heads
         q = q.float().view(num_kv_heads, group, 1, -1)  # [Hk, group, 1, D]
         lo, hi = lo.float().transpose(0, 1)[:, None], hi.float().transpose(0, 1)[:, None]  # [Hk, 1, pages, D]
         page_scores = torch.maximum(q * hi, q * lo).sum(-1).amax(1)  # [Hk, pages]
-        written = -(-batch.seq_lens[i] // self.bounds.page_size)
+        written = -(-batch.seq_lens[i] // self.metadata.page_size)
         page_scores[:, written:] = float("-inf")  # pages past the sequence's end hold no keys
         return page_scores.view(num_kv_heads, n, -1).amax(-1)
 
@@ -759,14 +795,19 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
     selectors = {}
     if "quest" in config.sparse_policy:
         _, num_layers, num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
-        bounds = BlockKeyBounds(num_layers, num_blocks, host_pool.num_host_blocks if host_pool else 0, block_size,
-                                num_kv_heads, head_dim, cache.data.device, page_size=min(QUEST_PAGE_SIZE, block_size),
-                                dtype=cache.data.dtype, keys=cache.data[0])
-        cache.hooks.append(bounds)
+        num_host_blocks, page_size = host_pool.num_host_blocks if host_pool else 0, min(QUEST_PAGE_SIZE, block_size)
+        if config.quest_key_copy == "int8":
+            metadata = BlockKeyCopy(cache.data[0], num_host_blocks, min(config.quest_dense_layers, num_layers),
+                                    page_size)
+        else:
+            metadata = BlockKeyBounds(num_layers, num_blocks, num_host_blocks, block_size, num_kv_heads, head_dim,
+                                      cache.data.device, page_size=page_size, dtype=cache.data.dtype, keys=cache.data[0])
+        cache.hooks.append(metadata)
         host_keys = host_pool.host[0] if host_pool is not None else None
-        selectors["quest"] = QuestSelector(bounds, config.quest_token_budget, config.quest_dense_layers,
+        rerank = 1 if config.quest_key_copy == "int8" else config.quest_rerank  # every page is scored exactly
+        selectors["quest"] = QuestSelector(metadata, config.quest_token_budget, config.quest_dense_layers,
                                            config.sparse_min_context, page_select=config.quest_page_select,
-                                           max_model_len=config.max_model_len, rerank=config.quest_rerank,
+                                           max_model_len=config.max_model_len, rerank=rerank,
                                            device_keys=cache.data[0], host_keys=host_keys,
                                            rerank_score=config.quest_rerank_score)
     if "xattention" in config.sparse_policy:
