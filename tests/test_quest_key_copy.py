@@ -17,6 +17,7 @@ from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.layers.block_metadata import BlockKeyCopy
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
 from nanovllm.layers.sparse_policies import QuestSelector
+from conftest import DEVICES
 from test_sparse import BS, GREEDY, PAGE_BS, PAGE_HK, PROMPTS, PageStep, positions_mask, quest_llm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -168,10 +169,12 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
     assert finite.sum() == sum(columns(n) for n in seq_lens) * num_kv_heads
 
 
-def test_key_copy_with_a_budget_covering_the_context_equals_full_attention(tiny_llama):
-    """Offload, pages: every page kept, the outputs are full attention's (the copy only chooses)."""
-    options = dict(num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01, dtype="float32")
-    want = LLM(str(tiny_llama), kvcache_block_size=4 * BS, device="cpu", max_num_batched_tokens=64,
+@pytest.mark.parametrize("device", DEVICES)
+def test_key_copy_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, device):
+    """Offload, pages: every page kept, the outputs are full attention's (the copy only chooses; on CUDA inside
+    the decode graphs)."""
+    options = dict(num_gpu_blocks=4, enable_cpu_offload=True, cpu_kv_cache_gb=0.01, dtype="float32", device=device)
+    want = LLM(str(tiny_llama), kvcache_block_size=4 * BS, max_num_batched_tokens=64,
                **options).generate(PROMPTS, GREEDY, use_tqdm=False)
     got = quest_llm(tiny_llama, quest_token_budget=4096, quest_page_select=True, kvcache_block_size=4 * BS,
                     quest_key_copy="int8", **options).generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -181,8 +184,9 @@ def test_key_copy_with_a_budget_covering_the_context_equals_full_attention(tiny_
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
-def test_key_copy_in_the_engine_reads_the_budget_and_no_candidate_keys(tiny_llama, offload):
+def test_key_copy_in_the_engine_reads_the_budget_and_no_candidate_keys(tiny_llama, offload, device):
     """quest_key_copy="int8" end to end: the bound's decode density (each KV head reads the budget's pages), a
     choice of them that differs on some step, every request completes; offload: fewer host bytes than the
     bound with its rerank (which reads its candidates' keys from the host), all of them counted by the pool."""
@@ -190,7 +194,7 @@ def test_key_copy_in_the_engine_reads_the_budget_and_no_candidate_keys(tiny_llam
     runs = {}
     for key_copy in ("none", "int8"):
         llm = quest_llm(tiny_llama, quest_token_budget=32, quest_page_select=True, kvcache_block_size=4 * BS,
-                        quest_key_copy=key_copy, dtype="float32", **memory)
+                        quest_key_copy=key_copy, dtype="float32", device=device, **memory)
         selector, chosen = llm.runner.worker.selector, []
         narrow = selector.narrow
         selector.narrow = lambda *a: chosen.append(narrow(*a)) or chosen[-1]
