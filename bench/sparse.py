@@ -208,7 +208,8 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
               for b in budgets] if which.rerank > 1 else []
     peers += [Peer(f"quest_pages_{b}_rerank{which.rerank}_mass", b, pages=True, rerank=which.rerank, score="mass")
               for b in budgets] if which.rerank > 1 and which.mass else []
-    peers += [Peer(f"quest_pages_{b}_int8_keys", b, pages=True, key_copy=True) for b in budgets] if copy_selector else []
+    peers += [Peer(f"quest_pages_{b}_int8_keys", b, pages=True, key_copy=True)
+              for b in budgets] if copy_selector else []
     for name, budget, page_select, ordered, launched, rerank, score, key_copy in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())

@@ -190,7 +190,9 @@ def test_key_copy_in_the_engine_reads_the_budget_and_no_candidate_keys(tiny_llam
     """quest_key_copy="int8" end to end: the bound's decode density (each KV head reads the budget's pages), a
     choice of them that differs on some step, every request completes; offload: fewer host bytes than the
     bound with its rerank (which reads its candidates' keys from the host), all of them counted by the pool."""
-    memory = dict(num_gpu_blocks=4, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else dict(num_gpu_blocks=64)
+    memory = dict(num_gpu_blocks=64)
+    if offload:
+        memory = dict(num_gpu_blocks=4, enable_cpu_offload=True, cpu_kv_cache_gb=0.01)
     runs = {}
     for key_copy in ("none", "int8"):
         llm = quest_llm(tiny_llama, quest_token_budget=32, quest_page_select=True, kvcache_block_size=4 * BS,

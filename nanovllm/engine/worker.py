@@ -26,11 +26,11 @@ from nanovllm.engine.step_plan import StepPlan, WorkerLimits
 from nanovllm.engine.step_stats import DeferredStats, SeqStepStats, StepStats, StepWork, resolved
 from nanovllm.engine.warm_up import compile_step_variants
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
+from nanovllm.layers.block_metadata import BlockKeyCopy
 from nanovllm.layers.block_selector import BlockSelector, DenseSelector, SparseStats
 from nanovllm.layers.fused_ops import get_layer_ops
 from nanovllm.layers.kv_access import DeviceKV, KVAccess
 from nanovllm.layers.sampler import logprob_entries, sample, sample_on_device
-from nanovllm.layers.block_metadata import BlockKeyCopy
 from nanovllm.layers.sparse_policies import build_sparse_policy
 from nanovllm.models.loader import build_model
 

@@ -12,6 +12,9 @@ given the device pool's keys (`keys`), lazily (`fill`): a block's bounds are com
 when a selection first needs them (only ever for full blocks: Quest always keeps a sequence's most recent
 block), or when it moves to the host. The engine fills lazily: sequences that never select (below
 sparse_min_context) then cost nothing, where the hook ran ~12 kernels in every layer of every step.
+
+`BlockKeyCopy` (quest_key_copy="int8") keeps instead an int8 copy of every key, filled the same lazy way
+(`LazyKeyMetadata` is what the two share): Quest then ranks each page by its exact largest score.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
 class LazyKeyMetadata:
     """What lazily filled key metadata shares: which device blocks' rows are ready, and per sequence its first
-    blocks found ready by the last fill. Subclasses compute their rows from `keys` (`_compute`) and copy
-    device rows to host rows on a move (`_copy_to_host`)."""
+    blocks found ready by the last fill. Subclasses compute a block's rows from `keys` (`_compute`) and, as
+    `KVHook`s, copy a moving block's rows to its host rows (`on_move`)."""
 
     def __init__(self, num_blocks: int, keys: torch.Tensor | None):
         self.keys = keys
@@ -35,7 +38,7 @@ class LazyKeyMetadata:
         self._checked: dict[int, tuple[list[int], list[bool]]] = {}
 
     def written(self, blocks: list[int]) -> None:
-        """These device blocks get new keys: their lazily filled bounds are stale."""
+        """These device blocks get new keys: their lazily filled rows are stale."""
         self.ready[blocks] = False
 
     def forget(self, seq_ids: list[int]) -> None:
@@ -43,7 +46,7 @@ class LazyKeyMetadata:
             self._checked.pop(seq_id, None)
 
     def fill(self, seq_id: int, blocks: list[int], on_host: list[bool] | None) -> None:
-        """Make the bounds of sequence seq_id's first blocks (full, in position order, ids within their pool)
+        """Make the rows of sequence seq_id's first blocks (full, in position order, ids within their pool)
         exact, computing those of device blocks not ready from their keys. The blocks checked last time
         are skipped while they are still the sequence's first ones (a list comparison, no per-block work:
         they cannot change otherwise, as no one writes a full block a live sequence holds)."""
@@ -170,9 +173,9 @@ class BlockKeyCopy(LazyKeyMetadata):
         self.first_layer, self.block_size, self.page_size = first_layer, block_size, page_size
         self.pages_per_block = block_size // page_size
         layers, device = num_layers - first_layer, keys.device
-        self.codes = torch.zeros(layers, num_blocks * block_size, num_kv_heads, head_dim, dtype=torch.int8, device=device)
-        self.scales = torch.zeros(layers, num_blocks * block_size, num_kv_heads, dtype=torch.float32, device=device)
-        host_rows = num_host_blocks * block_size
+        rows, host_rows = num_blocks * block_size, num_host_blocks * block_size
+        self.codes = torch.zeros(layers, rows, num_kv_heads, head_dim, dtype=torch.int8, device=device)
+        self.scales = torch.zeros(layers, rows, num_kv_heads, dtype=torch.float32, device=device)
         self.host_codes = torch.zeros(layers, host_rows, num_kv_heads, head_dim, dtype=torch.int8, device=device)
         self.host_scales = torch.zeros(layers, host_rows, num_kv_heads, dtype=torch.float32, device=device)
 

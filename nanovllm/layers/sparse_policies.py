@@ -8,7 +8,9 @@
   top pages. With `rerank` > 1 the bound's top rerank x budget columns are candidates, ranked again by
   their keys' exact largest score (the maximum over the group's query heads and the column's keys, which the
   bound bounds from above), or with `rerank_score` "mass" by each query head's softmax mass on the column among
-  the candidates, sink and recent columns (the group's maximum), and the budget's best of them kept. The first
+  the candidates, sink and recent columns (the group's maximum), and the budget's best of them kept. Given an
+  int8 copy of every key instead of the bounds (`BlockKeyCopy`, quest_key_copy="int8"), every column is ranked
+  by its largest q . k through the copy (`copy_scores`): no bound, no rerank. The first
   `dense_layers` layers, prefill rows and sequences shorter than `min_context` stay dense.
 - `XAttentionSelector` (prefill): antidiagonal scoring. Queries and keys are cut into tiles of
   `stride` positions; a (query tile, key tile) pair scores the sum of q.k over the tile's antidiagonal
@@ -51,8 +53,8 @@ class QuestSelector(BlockSelector):
     name = "quest"
     narrows = True
 
-    def __init__(self, metadata: BlockKeyBounds | BlockKeyCopy, token_budget: int, dense_layers: int, min_context: int,
-                 sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
+    def __init__(self, metadata: BlockKeyBounds | BlockKeyCopy, token_budget: int, dense_layers: int,
+                 min_context: int, sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
                  max_model_len: int | None = None, rerank: int = 1, device_keys: torch.Tensor | None = None,
                  host_keys: torch.Tensor | None = None, rerank_score: str = "max"):
         """metadata: what pages are scored by: Quest's bounds (BlockKeyBounds: the upper bound, then the rerank)
@@ -74,7 +76,7 @@ class QuestSelector(BlockSelector):
         # top-k + sort (1.13x the narrowed 128K offload step at budget 2048, docs/BENCHMARKS.md)
         self.ordered_top = True
         if metadata.keys is not None and recent_blocks < 1:
-            raise ValueError("lazily filled key bounds need recent_blocks >= 1 (the block being written is kept)")
+            raise ValueError("lazily filled key metadata needs recent_blocks >= 1 (the block being written is kept)")
         if rerank > 1 and self.exact:
             raise ValueError(f"rerank={rerank}: the key copy scores every page exactly, there is nothing to rerank")
         if rerank > 1 and device_keys is None:
@@ -132,9 +134,9 @@ class QuestSelector(BlockSelector):
         return not any(s and q == 1 for s, q in zip(sparse, query_lens))
 
     def before_step(self, plan: StepPlan) -> None:
-        """Lazily filled bounds: the step's written blocks are stale, and the full blocks of its sparse decode
-        rows get exact bounds (each block's once; the most recent block, the only one not full, is always
-        kept, so its bounds are never read)."""
+        """Lazily filled metadata (bounds or key copy): the step's written blocks are stale, and the full blocks
+        of its sparse decode rows get exact rows (each block's once; the most recent block, the only one not
+        full, is always kept, so its rows are never read)."""
         if self.metadata.keys is None:
             return
         # a prefill row of a sequence may be its recompute after a preemption: its blocks are checked afresh
@@ -385,14 +387,14 @@ class QuestSelector(BlockSelector):
         """[Hk, num_blocks] upper bounds of sequence i's query q [Hq, D] on each of its blocks (through the key
         copy: each block's largest q . k)."""
         n = batch.num_blocks(i)
+        on_host = batch.on_host[i][:n] if batch.on_host else None
         if self.exact:
-            on_host = batch.on_host[i][:n] if batch.on_host else None
             keys = self.metadata.block_keys(layer, batch.block_tables[i][:n], on_host)
             group = q.float().view(num_kv_heads, -1, q.shape[-1])
             scores = torch.einsum("hgd,thd->hgt", group, keys).amax(1)  # [Hk, tokens]
             scores[:, batch.seq_lens[i]:] = float("-inf")
             return scores.view(num_kv_heads, n, -1).amax(-1)
-        lo, hi = self.metadata.block_pages(layer, batch.block_tables[i][:n], batch.on_host[i][:n] if batch.on_host else None)
+        lo, hi = self.metadata.block_pages(layer, batch.block_tables[i][:n], on_host)
         group = q.shape[0] // num_kv_heads
         q = q.float().view(num_kv_heads, group, 1, -1)  # [Hk, group, 1, D]
         lo, hi = lo.float().transpose(0, 1)[:, None], hi.float().transpose(0, 1)[:, None]  # [Hk, 1, pages, D]
@@ -801,7 +803,8 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                     page_size)
         else:
             metadata = BlockKeyBounds(num_layers, num_blocks, num_host_blocks, block_size, num_kv_heads, head_dim,
-                                      cache.data.device, page_size=page_size, dtype=cache.data.dtype, keys=cache.data[0])
+                                      cache.data.device, page_size=page_size, dtype=cache.data.dtype,
+                                      keys=cache.data[0])
         cache.hooks.append(metadata)
         host_keys = host_pool.host[0] if host_pool is not None else None
         rerank = 1 if config.quest_key_copy == "int8" else config.quest_rerank  # every page is scored exactly
