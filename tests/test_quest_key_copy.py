@@ -253,3 +253,13 @@ for q, group, dim, pages in [("*bf16", 4, 128, True), ("*bf16", 4, 128, False), 
 print("ok")
 """
     assert_runs_compiled(code, timeout=300)
+
+
+def test_the_key_copy_is_a_command_line_flag():
+    import argparse
+
+    from nanovllm.engine_args import add_engine_options, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert engine_options(parser.parse_args(["--quest-key-copy", "int8"])) == {"quest_key_copy": "int8"}
