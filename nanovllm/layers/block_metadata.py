@@ -178,6 +178,8 @@ class BlockKeyCopy(LazyKeyMetadata):
         self.scales = torch.zeros(layers, rows, num_kv_heads, dtype=torch.float32, device=device)
         self.host_codes = torch.zeros(layers, host_rows, num_kv_heads, head_dim, dtype=torch.int8, device=device)
         self.host_scales = torch.zeros(layers, host_rows, num_kv_heads, dtype=torch.float32, device=device)
+        # per layer, views made once (the decode step asks for them in every sparse layer)
+        self._layers = [(self.codes[i], self.scales[i], self.host_codes[i], self.host_scales[i]) for i in range(layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -211,8 +213,7 @@ class BlockKeyCopy(LazyKeyMetadata):
 
     def layer_arrays(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scales, host codes, host scales) of a model layer (one at or past first_layer)."""
-        i = layer - self.first_layer
-        return self.codes[i], self.scales[i], self.host_codes[i], self.host_scales[i]
+        return self._layers[layer - self.first_layer]
 
     def block_keys(self, layer: int, blocks: list[int], on_host: list[bool] | None) -> torch.Tensor:
         """[len(blocks) * block_size, Hk, D] float32 keys of these blocks (ids within their pool) as the copy
