@@ -227,9 +227,9 @@ def main() -> None:
         by_cell[(s["task"], s["length"])].append(s)
     samples = [s for cell in by_cell.values() for s in cell[: args.samples]]
     options = {k: v for k, v in (("num_gpu_blocks", args.num_gpu_blocks), ("dtype", args.dtype)) if v is not None}
-    # quest_rerank=1: each rule's ranking alone ("rerank Nx" sets the engine's own rerank)
+    # quest_rerank=1: each rule's ranking alone ("rerank Nx" sets the engine's own rerank); the rules need the bounds
     llm = LLM(args.model, sparse_policy="quest", sparse_min_context=0, quest_token_budget=args.budget,
-              quest_rerank=1, enforce_eager=True, max_model_len=max(args.lengths), **options)
+              quest_rerank=1, quest_key_copy="none", enforce_eager=True, max_model_len=max(args.lengths), **options)
     selector = llm.runner.worker.selector
     prompter = Prompter(llm.tokenizer, "chat")
     records = []

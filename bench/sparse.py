@@ -251,16 +251,21 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     probe = None
     release_memory()
     parsed = parse_cases(cases, max_len, steps)
-    options = dict(load_format="dummy", max_model_len=max_len, sparse_policy="quest", quest_token_budget=budgets[0])
+    # the bound's peers on the engine's selector; the key copy's (quest_key_copy="int8") on a second one
+    options = dict(load_format="dummy", max_model_len=max_len, sparse_policy="quest", quest_token_budget=budgets[0],
+                   quest_key_copy="none")
+    needed_blocks = max(b * (c + 320) for b, c in parsed) // 256 + 8
     if offload:
         device_blocks = int((CARD_GIB - weight_bytes / 2**30 - ACTIVATION_GIB) * 2**30 // block_bytes)
-        host_blocks = max(b * (c + 320) for b, c in parsed) // 256 + 8 - device_blocks
+        host_blocks = needed_blocks - device_blocks
         options.update(num_gpu_blocks=device_blocks, enable_cpu_offload=True,
                        cpu_kv_cache_gb=host_blocks * block_bytes / 2**30)
         mirror = host_blocks * 2 * block_bytes / layers  # quest_dense_layers = 2: their host blocks on the GPU too
         bounds = (host_blocks + options["num_gpu_blocks"]) * block_bytes / 16  # min and max keys per 16 tokens
         log(f"offload: {options['num_gpu_blocks']} device blocks, host pool {options['cpu_kv_cache_gb']:.1f} GiB; "
             f"on top: mirror {mirror / 2**30:.1f} GiB, key bounds {bounds / 2**30:.1f} GiB")
+    else:  # the cases' blocks, not the whole card: the key copy peer's copy comes on top
+        options.update(num_gpu_blocks=needed_blocks)
     llm = LLM(config, **options)
     copy_selector = with_key_copy(llm) if which.key_copy else None
     results = []

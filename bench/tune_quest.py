@@ -4,9 +4,11 @@ read per call over the kernel time as a fraction of the measured HBM copy bandwi
 top kernel on page scores of the same shapes (budget 2048 tokens = 128 pages, sink and recent block's
 pages) against top-k + sort (the reference), same results checked. With --candidates instead: the rerank's
 candidate kernel (quest_rerank=2 at budget 2048: 256 candidate pages per KV head, their keys read from the
-device pool) over its launch options, the candidates' key bytes over the kernel time as a fraction of HBM.
+device pool) over its launch options, the candidates' key bytes over the kernel time as a fraction of HBM. With
+--key-copy: the kernel scoring pages through quest_key_copy="int8"'s copy (int8 codes and a float32 scale per key)
+over its launch options (tile, blocks per program, warps, pipeline stages), the copy's bytes over the kernel time.
 
-    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only | --candidates]
+    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only | --candidates | --key-copy]
         [--top-width 131072]  (--top-width: the score and top kernels also on tables that wide, as in a graph
         sized for that length)
 """
@@ -46,12 +48,16 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--top-only", action="store_true", help="only the ordered top kernel")
     ap.add_argument("--candidates", action="store_true", help="only the rerank's candidate kernel")
+    ap.add_argument("--key-copy", action="store_true", help="only the int8 key copy's page-score kernel")
     ap.add_argument("--top-width", type=int, default=None,
                     help="the top kernel's rows as wide as this context's pages (a narrowed graph's width at this "
                          "max_model_len), the rows' own ends at --contexts; chunked peers besides the engine's "
                          "one-pass chunk")
     args = ap.parse_args()
     require_cuda()
+    if args.key_copy:
+        save_results("tune_quest_key_copy", sweep_key_copy(args))
+        return
     if args.candidates:
         save_results("tune_quest_candidates", sweep_candidates(args))
         return
@@ -154,6 +160,33 @@ def sweep_candidates(args, budget_tokens: int = 2048, rerank: int = 2) -> list[d
         rows = time_launches(triton_quest.candidate_max_scores, call, launches, default, nbytes, bandwidth,
                              f"candidates, batch {batch} x {context}: keys")
         results.append(dict(kernel="candidate_max", batch=batch, context=context, bytes=nbytes, rows=rows))
+    return results
+
+
+def key_copy_inputs(batch: int, context: int) -> tuple:
+    """One layer's int8 key copy of batch sequences of context keys in shuffled device blocks."""
+    blocks = -(-context // BLOCK)
+    codes = torch.randint(-127, 128, (batch * blocks * BLOCK, KV_HEADS, DIM), dtype=torch.int8, device="cuda")
+    scales = torch.rand(batch * blocks * BLOCK, KV_HEADS, device="cuda") / 127
+    tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
+    seq_lens = torch.full((batch,), context, dtype=torch.int64, device="cuda")
+    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    nbytes = batch * context * KV_HEADS * (DIM + scales.element_size())
+    return (q, codes, scales, codes[:0], scales[:0], tables, seq_lens, BLOCK, PAGE, None), nbytes
+
+
+def sweep_key_copy(args) -> list[dict]:
+    bandwidth = measure_hbm_bandwidth()
+    default = dict(pages=True, blocks_per_program=2, num_warps=triton_quest.KEY_COPY_WARPS,
+                   tile=triton_quest.KEY_COPY_TILE, num_stages=triton_quest.KEY_COPY_STAGES)
+    launches = [dict(pages=True, blocks_per_program=n, num_warps=w, tile=t, num_stages=st)
+                for n, w, t, st in itertools.product([1, 2, 4, 8], [4, 8], [64, 128], [1, 2, 3])]
+    results = []
+    for batch, context in itertools.product(args.batches, args.contexts):
+        call, nbytes = key_copy_inputs(batch, context)
+        rows = time_launches(triton_quest.key_copy_scores, call, launches, default, nbytes, bandwidth,
+                             f"int8 key copy, batch {batch} x {context}: pages", atol=1e-2, rtol=1e-3)
+        results.append(dict(kernel="key_copy_scores", batch=batch, context=context, bytes=nbytes, rows=rows))
     return results
 
 

@@ -156,13 +156,16 @@ def test_start_up_steps_of_a_sparse_policy_take_the_per_head_variants(tiny_llama
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
-@pytest.mark.parametrize("policy", ["xattention", "quest", "xattention+quest"])
-def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(tiny_llama, policy, offload):
+@pytest.mark.parametrize("policy, key_copy", [("xattention", "none"), ("quest", "none"), ("xattention+quest", "none"),
+                                              ("quest", "int8"), ("xattention+quest", "int8")])
+def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(tiny_llama, policy, key_copy,
+                                                                                   offload):
     """The start-up mixed steps go through the engine's own selector with every row selecting (the default
     sparse_min_context of 8,192 set aside for them), so its kernels (XAttention's estimate, Quest's scores, top
-    and rerank) compile at start-up, the rerank counting the keys it reads as a request's steps do (its host-read
-    variant: 541 ms on the request path of a Qwen RULER run); the minimum is back afterwards and the outputs are
-    unchanged (offload: a device pool of 8 blocks under start-up rows of up to 511 keys)."""
+    and rerank, or the scores through the int8 key copy) compile at start-up, the rerank counting the keys it reads
+    as a request's steps do (its host-read variant: 541 ms on the request path of a Qwen RULER run); the minimum is
+    back afterwards and the outputs are unchanged (offload: a device pool of 8 blocks under start-up rows of up to
+    511 keys)."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.warm_up import compile_step_variants
     from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
@@ -170,13 +173,13 @@ def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(
     options = dict(device="cpu", kvcache_block_size=32, num_gpu_blocks=8 if offload else 32, max_num_batched_tokens=64,
                    enable_cpu_offload=offload,
                    sparse_policy=policy, xattn_block_size=16, xattn_stride=4, quest_token_budget=32,
-                   quest_dense_layers=0)  # 16-token pages
+                   quest_dense_layers=0, quest_key_copy=key_copy)  # 16-token pages
     prompt, params = [[5, 6, 7, 8] * 10], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = LLM(str(tiny_llama), **options).generate(prompt, params, use_tqdm=False)
     llm = LLM(str(tiny_llama), **options)
     selector = llm.runner.worker.selector
     parts = [getattr(selector, "prefill", selector), getattr(selector, "decode", selector)]
-    calls = {"estimate": 0, "rerank": 0, "rerank counting reads": 0}
+    calls = {"estimate": 0, "rerank": 0, "rerank counting reads": 0, "copy": 0}
 
     def counting(part, method, key):
         original = getattr(part, method)
@@ -193,10 +196,13 @@ def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(
             counting(part, "sequence_selection", "estimate")
         if isinstance(part, QuestSelector):
             counting(part, "candidate_scores", "rerank")
+            counting(part, "copy_scores", "copy")
     compile_step_variants(llm.runner.worker)
+    bound, copy = "quest" in policy and key_copy == "none", "quest" in policy and key_copy == "int8"
     assert calls["estimate"] > 0 if "xattention" in policy else calls["estimate"] == 0
-    assert calls["rerank"] > 0 if "quest" in policy else calls["rerank"] == 0
-    assert calls["rerank counting reads"] > 0 if "quest" in policy else calls["rerank counting reads"] == 0
+    assert calls["rerank"] > 0 if bound else calls["rerank"] == 0
+    assert calls["rerank counting reads"] > 0 if bound else calls["rerank counting reads"] == 0
+    assert calls["copy"] > 0 if copy else calls["copy"] == 0
     assert all(part.min_context == 8192 for part in parts)
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
@@ -222,7 +228,7 @@ def test_start_up_steps_narrow_a_row_past_a_large_budget(tmp_path, offload):
     model = make_tiny_model(tmp_path / "long", "llama", max_position_embeddings=16384)
     llm = LLM(str(model), device="cpu", kvcache_block_size=32, num_gpu_blocks=8 if offload else 400,
               max_num_batched_tokens=64, enable_cpu_offload=offload, sparse_policy="quest",
-              quest_token_budget=8192, quest_dense_layers=0)
+              quest_token_budget=8192, quest_dense_layers=0, quest_key_copy="none")  # the bound and its rerank
     selector = llm.runner.worker.selector
     longest = max(max(seq_lens) for _, seq_lens in mixed_step_layouts(16384))
     assert not any(selector.sparse_rows(32, [longest]))  # the mixed steps alone would not narrow

@@ -132,8 +132,9 @@ def test_the_key_copy_has_nothing_to_rerank():
     (16, 2, 3, False, torch.float32), (32, 2, 2, True, torch.float32), (64, 1, 4, True, torch.float32),
     (48, 4, 1, True, torch.float32), (256, 2, 4, True, torch.bfloat16)])
 @pytest.mark.parametrize("pages", [False, True], ids=["blocks", "pages"])
-@pytest.mark.parametrize("blocks_per_program", [1, 2, 4])
-def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host, dtype, pages, blocks_per_program):
+@pytest.mark.parametrize("blocks_per_program, tile, stages", [(1, 64, 2), (2, 128, 2), (4, 64, 2), (3, 16, 3)])
+def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host, dtype, pages, blocks_per_program,
+                                           tile, stages):
     pytest.importorskip("triton")
     if dtype == torch.bfloat16 and DEVICE.type != "cuda":
         pytest.skip("bf16 queries: the compiled kernel's tensor-core path")
@@ -161,7 +162,8 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
     want = QuestSelector(copy, 4 * block_size, 0, 0).copy_scores(1, q, num_kv_heads, layout, pages=pages)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     got = key_copy_scores(to(q), *map(to, copy.layer_arrays(1)), to(layout.ids), to(layout.seq_lens), block_size,
-                          16, layout.base, pages=pages, blocks_per_program=blocks_per_program).cpu()
+                          16, layout.base, pages=pages, blocks_per_program=blocks_per_program, tile=tile,
+                          num_stages=stages).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], atol=1e-3, rtol=1e-4)
@@ -214,7 +216,7 @@ def test_key_copy_in_the_engine_reads_the_budget_and_no_candidate_keys(tiny_llam
 def test_the_worker_budgets_the_key_copy(tiny_llama):
     """A pool sized from memory holds fewer blocks by the copy's bytes: per block, the sparse layers' int8 keys
     and their scales."""
-    plain = quest_llm(tiny_llama, quest_token_budget=32, cpu_kv_cache_gb=0.002)
+    plain = quest_llm(tiny_llama, quest_token_budget=32, cpu_kv_cache_gb=0.002, quest_key_copy="none")
     copying = quest_llm(tiny_llama, quest_token_budget=32, cpu_kv_cache_gb=0.002, quest_key_copy="int8",
                         quest_dense_layers=1)
     layers, block_size, heads, dim = copying.runner.kv_shape
@@ -246,7 +248,7 @@ sig.update(codes_ptr="*i8", scales_ptr="*fp32", tables_ptr="*i64", seq_lens_ptr=
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
 for q, group, dim, pages in [("*bf16", 4, 128, True), ("*bf16", 4, 128, False), ("*fp32", 3, 64, True)]:
     consts = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=dim, PAGE_SIZE=16, BLOCK_SIZE=256, TILE=64, BLOCKS=2,
-                  PAGE_OUT=pages, IEEE=q == "*fp32")
+                  PAGE_OUT=pages, IEEE=q == "*fp32", STAGES=2)
     compiled = triton.compile(ASTSource(kernel, {**sig, "q_ptr": q}, consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
     assert compiled.asm["cubin"]

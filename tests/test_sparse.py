@@ -1029,7 +1029,8 @@ def test_quest_rerank_in_the_engine_keeps_the_budget(tiny_llama, offload, score)
     runs = {}
     for rerank in (1, 2):
         llm = quest_llm(tiny_llama, quest_token_budget=32, quest_page_select=True, kvcache_block_size=4 * BS,
-                        quest_rerank=rerank, quest_rerank_score=score, dtype="float32", **memory)
+                        quest_rerank=rerank, quest_rerank_score=score, quest_key_copy="none", dtype="float32",
+                        **memory)
         selector, chosen = llm.runner.worker.selector, []
         narrow = selector.narrow
         selector.narrow = lambda *a: chosen.append(narrow(*a)) or chosen[-1]

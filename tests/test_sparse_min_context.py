@@ -67,7 +67,8 @@ def test_lazy_key_bounds_equal_the_write_hook(tiny_llama, policy, offload):
     """Sequences that cross sparse_min_context while decoding: the lazily filled bounds of every block they
     read (device and host) equal those the write hook keeps, and so do the selections, tokens and logprobs."""
     memory = dict(num_gpu_blocks=10, enable_cpu_offload=True, cpu_kv_cache_gb=0.01) if offload else {}
-    options = dict(sparse_min_context=130, max_num_batched_tokens=64, dtype="float32", **memory)
+    options = dict(sparse_min_context=130, max_num_batched_tokens=64, dtype="float32", quest_key_copy="none",
+                   **memory)
     prompts = [list(range(3, 120)), [7] * 40 + list(range(60)), list(range(200, 60, -1))]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     lazy = engine(tiny_llama, policy, **options)

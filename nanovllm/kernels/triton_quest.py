@@ -338,8 +338,9 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
     return out
 
 
-KEY_COPY_TILE = 64  # tokens of a block whose codes meet the query heads in one matrix product
+KEY_COPY_TILE = 128  # tokens of a block whose codes meet the query heads in one matrix product (tuned, sm_90)
 KEY_COPY_WARPS = 4
+KEY_COPY_STAGES = 2
 
 
 @triton.jit(do_not_specialize=["num_columns", "stride_tb"])
@@ -348,75 +349,82 @@ def _key_copy_scores_kernel(
     stride_qb, stride_qh, stride_cr, stride_ch, stride_sr, stride_sh, stride_tb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCKS: tl.constexpr, PAGE_OUT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One (sequence, KV head, run of BLOCKS blocks): per page (PAGE_OUT) or block, the largest
     scale_t * (q . codes_t) over its tokens before the sequence's end and the group's query heads; host
-    blocks (table entries >= base) read codes_delta / scales_delta elements away."""
+    blocks (table entries >= base) read codes_delta / scales_delta elements away. The run's tiles are one
+    loop (its loads pipelined over STAGES); a run past the sequence's end loads nothing."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     first = tl.program_id(2) * BLOCKS
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, TILE)
-    q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None], other=0.0)
-    if IEEE:
-        q = q.to(tl.float32)
     out_row = out_ptr + b * stride_ob + h * stride_oh
-    for i in range(BLOCKS):
-        c = first + i
-        in_table = c < num_columns
+    TILES: tl.constexpr = BLOCK_SIZE // TILE
+    if first * BLOCK_SIZE < seq_len:
+        q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
+        if IEEE:
+            q = q.to(tl.float32)
         best = tl.full([], float("-inf"), tl.float32)
-        if c < num_blocks:
+        for j in tl.range(0, BLOCKS * TILES, num_stages=STAGES):
+            c = first + j // TILES
+            start = (j % TILES) * TILE
+            in_table = c < num_columns
             entry = tl.load(tables_ptr + b * stride_tb + c, mask=in_table, other=0)
             on_host = entry >= base
             block = tl.where(on_host, entry - base, entry).to(tl.int64)
-            for start in tl.static_range(0, BLOCK_SIZE, TILE):
-                token = start + t
-                ok = (c * BLOCK_SIZE + token < seq_len) & in_table
-                rows = block * BLOCK_SIZE + token
-                codes = tl.load(codes_ptr + rows[:, None] * stride_cr + h * stride_ch + d[None, :]
-                                + tl.where(on_host, codes_delta, 0), mask=ok[:, None], other=0)
-                scale = tl.load(scales_ptr + rows * stride_sr + h * stride_sh + tl.where(on_host, scales_delta, 0),
-                                mask=ok, other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(codes.to(tl.float32)), input_precision="ieee")
-                else:  # int8 codes are exact in bf16 / fp16
-                    s = tl.dot(q, tl.trans(codes.to(q.dtype)))
-                s = tl.where((g < GROUP)[:, None] & ok[None, :], s * scale[None, :], float("-inf"))
-                token_best = tl.max(s, axis=0)  # [TILE]
-                if PAGE_OUT:
-                    page_best = tl.max(tl.reshape(token_best, [TILE // PAGE_SIZE, PAGE_SIZE]), axis=1)
-                    p = (c * BLOCK_SIZE + start) // PAGE_SIZE + tl.arange(0, TILE // PAGE_SIZE)
-                    tl.store(out_row + p, page_best, mask=in_table)
-                else:
-                    best = tl.maximum(best, tl.max(token_best, axis=0))
-        elif PAGE_OUT:  # past the row's end: no loads
-            for start in tl.static_range(0, BLOCK_SIZE, TILE):
+            token = start + t
+            ok = (c * BLOCK_SIZE + token < seq_len) & in_table
+            rows = block * BLOCK_SIZE + token
+            codes = tl.load(codes_ptr + rows[:, None] * stride_cr + h * stride_ch + d[None, :]
+                            + tl.where(on_host, codes_delta, 0), mask=ok[:, None], other=0)
+            scale = tl.load(scales_ptr + rows * stride_sr + h * stride_sh + tl.where(on_host, scales_delta, 0),
+                            mask=ok, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(codes.to(tl.float32)), input_precision="ieee")
+            else:  # int8 codes are exact in bf16 / fp16
+                s = tl.dot(q, tl.trans(codes.to(q.dtype)))
+            s = tl.where((g < GROUP)[:, None] & ok[None, :], s * scale[None, :], float("-inf"))
+            token_best = tl.max(s, axis=0)  # [TILE]
+            if PAGE_OUT:
+                page_best = tl.max(tl.reshape(token_best, [TILE // PAGE_SIZE, PAGE_SIZE]), axis=1)
                 p = (c * BLOCK_SIZE + start) // PAGE_SIZE + tl.arange(0, TILE // PAGE_SIZE)
-                tl.store(out_row + p, tl.full([TILE // PAGE_SIZE], float("-inf"), tl.float32), mask=in_table)
-        if not PAGE_OUT:
-            tl.store(out_row + c, best, mask=in_table)
-
+                tl.store(out_row + p, page_best, mask=in_table)
+            else:  # the block's best, stored with its last tile
+                best = tl.maximum(best, tl.max(token_best, axis=0))
+                last = start + TILE == BLOCK_SIZE
+                tl.store(out_row + c, best, mask=in_table & last)
+                best = tl.where(last, float("-inf"), best)
+    else:
+        for j in range(0, BLOCKS * TILES):
+            c = first + j // TILES
+            if PAGE_OUT:
+                p = (c * BLOCK_SIZE + (j % TILES) * TILE) // PAGE_SIZE + tl.arange(0, TILE // PAGE_SIZE)
+                tl.store(out_row + p, tl.full([TILE // PAGE_SIZE], float("-inf"), tl.float32), mask=c < num_columns)
+            else:
+                tl.store(out_row + c, float("-inf"), mask=c < num_columns)
 
 def key_copy_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, host_codes: torch.Tensor,
                     host_scales: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     page_size: int, base: int | None, pages: bool = False, blocks_per_program: int = 2,
-                    num_warps: int = KEY_COPY_WARPS) -> torch.Tensor:
+                    num_warps: int = KEY_COPY_WARPS, tile: int = KEY_COPY_TILE,
+                    num_stages: int = KEY_COPY_STAGES) -> torch.Tensor:
     """[B, Hk, W] float32 (pages: [B, Hk, W * block_size // page_size]): `QuestSelector.copy_scores` (its
     reference) in one launch. q [B, Hq, D]; codes [rows, Hk, D] int8 and scales [rows, Hk] one layer's key
     copy of the device pool (row = block * block_size + token), host_codes / host_scales the host blocks'
-    (entries >= base of tables [B, W]; may be empty); seq_lens [B]."""
+    (entries >= base of tables [B, W]; may be empty); seq_lens [B]. tile: tokens per matrix product (at most
+    the block; a power of two dividing it is used); `bench/tune_quest.py --key-copy` sweeps the launch."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = codes.shape[1]
     if host_codes.numel() and (host_codes.stride() != codes.stride() or host_scales.stride() != scales.stride()):
         raise ValueError("the host blocks' key copy needs the device copy's strides")
     codes_delta = host_codes.data_ptr() - codes.data_ptr() if host_codes.numel() else 0
     scales_delta = (host_scales.data_ptr() - scales.data_ptr()) // scales.element_size() if host_scales.numel() else 0
-    width, tile = tables.shape[1], math.gcd(KEY_COPY_TILE, block_size)  # a power of two dividing the block
+    width, tile = tables.shape[1], math.gcd(tile, block_size)  # a power of two dividing the block
     out = torch.empty(batch, num_kv_heads, width * (block_size // page_size if pages else 1), dtype=torch.float32,
                       device=q.device)
     group = num_heads // num_kv_heads
@@ -427,6 +435,6 @@ def key_copy_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_SIZE=block_size, TILE=tile, BLOCKS=blocks_per_program, PAGE_OUT=pages,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, STAGES=num_stages, num_warps=num_warps,
     )
     return out

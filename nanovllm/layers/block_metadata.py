@@ -196,6 +196,8 @@ class BlockKeyCopy(LazyKeyMetadata):
 
     def _compute(self, blocks: list[int], chunk_bytes: int = 2**26) -> None:
         keys = self.keys[self.first_layer :]
+        if keys.shape[0] == 0:  # every layer dense: nothing to copy
+            return
         step = max(1, chunk_bytes // (keys[:, 0].numel() * 4))
         for i in range(0, len(blocks), step):
             chunk = blocks[i : i + step]

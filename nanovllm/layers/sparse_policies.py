@@ -9,8 +9,8 @@
   their keys' exact largest score (the maximum over the group's query heads and the column's keys, which the
   bound bounds from above), or with `rerank_score` "mass" by each query head's softmax mass on the column among
   the candidates, sink and recent columns (the group's maximum), and the budget's best of them kept. Given an
-  int8 copy of every key instead of the bounds (`BlockKeyCopy`, quest_key_copy="int8"), every column is ranked
-  by its largest q . k through the copy (`copy_scores`): no bound, no rerank. The first
+  int8 copy of every key instead of the bounds (`BlockKeyCopy`, quest_key_copy="int8", the engine's default), every
+  column is ranked by its largest q . k through the copy (`copy_scores`): no bound, no rerank. The first
   `dense_layers` layers, prefill rows and sequences shorter than `min_context` stay dense.
 - `XAttentionSelector` (prefill): antidiagonal scoring. Queries and keys are cut into tiles of
   `stride` positions; a (query tile, key tile) pair scores the sum of q.k over the tile's antidiagonal
