@@ -8,7 +8,8 @@ device pool) over its launch options, the candidates' key bytes over the kernel 
 --key-copy: the kernel scoring pages through quest_key_copy="int8"'s copy (int8 codes and a float32 scale per key)
 over its launch options (tile, blocks per program, warps, pipeline stages), the copy's bytes over the kernel time.
 
-    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16] [--top-only | --candidates | --key-copy]
+    PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16]
+        [--top-only | --candidates | --key-copy]
         [--top-width 131072]  (--top-width: the score and top kernels also on tables that wide, as in a graph
         sized for that length)
 """

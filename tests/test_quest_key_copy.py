@@ -227,6 +227,29 @@ def test_the_worker_budgets_the_key_copy(tiny_llama):
     assert copying.runner.worker.num_blocks == int(budget // (kv + copy)) < plain.runner.worker.num_blocks
 
 
+def test_a_card_the_copy_leaves_no_room_on_names_the_copy(tiny_llama, monkeypatch):
+    """Offload reserves the host blocks' key copy beside the device pool: when nothing is left for the pool the
+    error names the copy, its size and what frees it (a card of the copy's size, through the CUDA budget path)."""
+    from nanovllm.engine.memory import kv_blocks_that_fit
+
+    llm = quest_llm(tiny_llama, quest_token_budget=32, enable_cpu_offload=True, cpu_kv_cache_gb=0.002,
+                    num_gpu_blocks=4, quest_dense_layers=1)
+    worker = llm.runner.worker
+    copy = worker._key_copy_bytes_per_block()
+    reserved = worker._host_blocks() * copy
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reserved, reserved))  # a card the copy fills
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    with pytest.raises(ValueError, match="no memory left for the KV cache") as error:
+        kv_blocks_that_fit(worker.config, torch.device("cuda"), worker.bytes_per_block + copy, reserved,
+                           lambda: 0, worker._reserved_for(copy))
+    message = str(error.value)
+    assert f"int8 key copy of {worker._host_blocks()} host blocks" in message
+    assert "quest_key_copy='none'" in message and f"{reserved / 2**20:.1f} MiB reserved" in message
+    assert "the dense layers' device copy of the host blocks (quest_dense_layers=1)" in message
+    assert "int8 key copy" not in quest_llm(tiny_llama, quest_key_copy="none", enable_cpu_offload=True,
+                                            cpu_kv_cache_gb=0.002, num_gpu_blocks=4).runner.worker._reserved_for(0)
+
+
 def test_key_copy_kernel_compiles_for_sm90_without_a_gpu():
     """The compiled kernel (bf16 queries on tensor cores, which the interpreter does not run): Llama-3.1-8B's shape
     with pages and with blocks as columns, SmolLM2's (3 query heads per KV head, head_dim 64) in fp32; the

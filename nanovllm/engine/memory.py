@@ -41,11 +41,16 @@ def resolve_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dty
     return torch.float16 if stored == "float16" else torch.bfloat16
 
 
+def readable_size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def kv_blocks_that_fit(config: EngineConfig, device: torch.device, bytes_per_block: int, reserved: int,
-                       peak_activations: Callable[[], int]) -> int:
+                       peak_activations: Callable[[], int], reserved_for: str = "") -> int:
     """Device KV blocks: on a CPU device, this rank's share of cpu_kv_cache_gb; on CUDA, gpu_memory_utilization
-    of the card minus weights, other processes, `reserved` bytes (the offload ring) and the peak activations
-    of a warm-up step (peak_activations runs it and returns its peak bytes beyond the KV it used)."""
+    of the card minus weights, other processes, `reserved` bytes (the offload ring; reserved_for says what they
+    hold, for the error) and the peak activations of a warm-up step (peak_activations runs it and returns its
+    peak bytes beyond the KV it used)."""
     if device.type == "cpu":
         budget = host_kv_bytes(config)
     else:
@@ -55,7 +60,9 @@ def kv_blocks_that_fit(config: EngineConfig, device: torch.device, bytes_per_blo
         budget = int(total * config.gpu_memory_utilization - peak - other_processes) - reserved
     blocks = int(budget // bytes_per_block)
     if blocks < 1:
-        raise ValueError(f"no memory left for the KV cache: one block needs {bytes_per_block} bytes, budget is {int(budget)}")
+        beside = f" after {readable_size(reserved)} reserved for {reserved_for}" if reserved and reserved_for else ""
+        raise ValueError(f"no memory left for the KV cache: one block needs {bytes_per_block} bytes, budget is "
+                         f"{int(budget)}{beside}")
     return blocks
 
 

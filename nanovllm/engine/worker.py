@@ -18,7 +18,8 @@ from nanovllm.engine import graph_copies
 from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, resolve_placeholders
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.narrowed import NarrowedDecode
-from nanovllm.engine.memory import host_kv_bytes, kv_blocks_that_fit, resolve_backend, resolve_device, resolve_dtype
+from nanovllm.engine.memory import (host_kv_bytes, kv_blocks_that_fit, readable_size, resolve_backend, resolve_device,
+                                    resolve_dtype)
 from nanovllm.engine.offload import offload_kv_access
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
@@ -127,7 +128,19 @@ class Worker:
         reserved = (RING_SLOTS * self._ring_blocks() + self._host_blocks() * self._mirrored_layers()) * per_layer_block
         reserved += self._host_blocks() * copy
         return kv_blocks_that_fit(self.config, self.device, self.bytes_per_block + copy,
-                                  reserved if self.config.enable_cpu_offload else 0, self._warm_up_peak)
+                                  reserved if self.config.enable_cpu_offload else 0, self._warm_up_peak,
+                                  self._reserved_for(copy))
+
+    def _reserved_for(self, copy_bytes_per_block: int) -> str:
+        """What the offload reservation holds, for the error when nothing is left for the device pool."""
+        parts, mirrored = ["the copy ring"], self._mirrored_layers()
+        if mirrored:
+            parts.append(f"the dense layers' device copy of the host blocks (quest_dense_layers={mirrored})")
+        if copy_bytes_per_block:
+            size = readable_size(self._host_blocks() * copy_bytes_per_block)
+            parts.append(f"Quest's int8 key copy of {self._host_blocks()} host blocks ({size}; "
+                         f"quest_key_copy='none' or a smaller cpu_kv_cache_gb frees it)")
+        return ", ".join(parts)
 
     def _warm_up_peak(self) -> int:
         """Peak bytes of a forward pass over max_num_batched_tokens, beyond the KV it used."""
