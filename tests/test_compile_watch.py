@@ -60,10 +60,12 @@ def test_events_name_what_the_variant_is_specialised_on():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
-@pytest.mark.parametrize("policy", ["full", "xattention+quest"])
-def test_no_compilation_on_the_request_path(tiny_llama, policy, offload):
+@pytest.mark.parametrize("policy, key_copy", [("full", "int8"), ("xattention+quest", "int8"),
+                                              ("xattention+quest", "none")])
+def test_no_compilation_on_the_request_path(tiny_llama, policy, key_copy, offload):
     """Offload: a device pool of 16 blocks (256 keys) under prompts of up to 361 tokens, KV read from the host.
-    Quest narrows every layer (the tiny model's two layers would otherwise be its two dense ones)."""
+    Quest narrows every layer (the tiny model's two layers would otherwise be its two dense ones), through the
+    int8 key copy (the default) or the bound and its rerank."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.kernels.compile_watch import WATCH
 
@@ -71,7 +73,7 @@ def test_no_compilation_on_the_request_path(tiny_llama, policy, offload):
         dict(num_gpu_blocks=256)
     llm = LLM(str(tiny_llama), device="cuda", kvcache_block_size=16, max_num_batched_tokens=256, **pool,
               sparse_policy=policy, sparse_min_context=0, xattn_block_size=16, xattn_stride=4, quest_token_budget=32,
-              quest_dense_layers=0)
+              quest_dense_layers=0, quest_key_copy=key_copy)
     seen = len(WATCH.request_path_events())
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1)
@@ -84,9 +86,11 @@ def test_no_compilation_on_the_request_path(tiny_llama, policy, offload):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
-def test_no_compilation_on_the_request_path_at_a_large_quest_budget(tmp_path, offload):
-    """A Quest budget past the start-up's longest row (8,192 tokens): its scores and rerank kernels are still
-    compiled at start-up (a Qwen RULER run at that budget compiled both on the request path)."""
+@pytest.mark.parametrize("key_copy", ["int8", "none"])
+def test_no_compilation_on_the_request_path_at_a_large_quest_budget(tmp_path, offload, key_copy):
+    """A Quest budget past the start-up's longest row (8,192 tokens): its scores (through the key copy, or the
+    bound's and the rerank's) are still compiled at start-up (a Qwen RULER run at that budget compiled the bound's
+    and the rerank's kernels on the request path)."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.kernels.compile_watch import WATCH
     from tests.conftest import make_tiny_model
@@ -95,7 +99,7 @@ def test_no_compilation_on_the_request_path_at_a_large_quest_budget(tmp_path, of
     pool = dict(num_gpu_blocks=16, enable_cpu_offload=True, cpu_kv_cache_gb=0.05) if offload else \
         dict(num_gpu_blocks=1200)
     llm = LLM(str(model), device="cuda", kvcache_block_size=16, max_num_batched_tokens=2048, **pool,
-              sparse_policy="quest", quest_token_budget=8192, quest_dense_layers=0)
+              sparse_policy="quest", quest_token_budget=8192, quest_dense_layers=0, quest_key_copy=key_copy)
     seen = len(WATCH.request_path_events())
     prompts = [[(7 * i + j) % 200 + 3 for j in range(8400 + 50 * i)] for i in range(2)]  # narrowed rows
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
