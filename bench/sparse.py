@@ -7,8 +7,9 @@
   the estimate finds a sparse mass (the density it selects is printed beside the speed);
 - decode with KV offloaded (the device KV blocks of bench/offload.py's 24 GB-card budget; Quest's key
   bounds and its dense layers' device mirror come on top and are printed): Quest at token budgets 2048 and 4096
-  (the bound alone, quest_rerank=1; --rerank-peer 2 adds the engine's default, --mass-peer the same ranked by mass,
-  --key-copy-peer pages scored through an int8 copy of every key)
+  (the bound alone, quest_rerank=1; --rerank-peer 2 adds the default until the twenty-ninth session, --mass-peer
+  the same ranked by mass, --key-copy-peer [8 4] pages scored through an int8 / int4 copy of every key, int8 the
+  default now)
   against dense offload, on the same prefilled sequences (the selector is swapped between timings); host bytes
   per step, the PCIe floor of those bytes and the GB/s achieved;
 - GPU-only decode, Quest against dense, same sequences;
@@ -20,7 +21,7 @@
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
         [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--async-peer]
-        [--profile-kernels] [--rerank-peer N [--mass-peer]] [--key-copy-peer]
+        [--profile-kernels] [--rerank-peer N [--mass-peer]] [--key-copy-peer [8 4]]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
     PYTHONPATH=. python3 bench/sparse.py --e2e-contexts 131072 [--e2e-threshold 0.2] --skip-prefill --skip-offload \
@@ -60,13 +61,13 @@ class DecodePeers:
     profile_kernels: bool = False  # each peer's kernels logged
     rerank: int = 1  # > 1: page selection with quest_rerank at this factor too
     mass: bool = False  # and with quest_rerank_score "mass"
-    key_copy: bool = False  # page selection through an int8 copy of every key (quest_key_copy="int8") too
+    key_copy: tuple[int, ...] = ()  # page selection through a copy of every key at these bits (quest_key_copy) too
 
 
 class Peer(NamedTuple):
     """One decode peer: Quest at `budget` (None: dense) selecting pages or blocks, through the ordered top
     kernel or top-k + sort, with synchronous or launched (async) steps, its candidates re-ranked by their keys
-    (quest_rerank, by `score`) or not, or its pages scored through an int8 copy of every key (key_copy)."""
+    (quest_rerank, by `score`) or not, or its pages scored through a copy of every key at key_copy bits (0: none)."""
 
     name: str
     budget: int | None
@@ -75,7 +76,7 @@ class Peer(NamedTuple):
     launched: bool = False
     rerank: int = 1
     score: str = "max"
-    key_copy: bool = False
+    key_copy: int = 0
 
 
 HOT_SHARE = 0.08  # share of key blocks per KV head that carry its query direction
@@ -195,9 +196,9 @@ def kernel_table(llm: LLM, steps: int) -> str:
 
 
 def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, which: DecodePeers,
-                 copy_selector: QuestSelector | None = None) -> dict:
+                 copy_selectors: dict[int, QuestSelector] | None = None) -> dict:
     """ms per step with dense attention and with Quest at each budget (and the peers `which` asks for),
-    on the running requests. copy_selector: the key copy peers' (`with_key_copy`)."""
+    on the running requests. copy_selectors: the key copy peers' by bits (`with_key_copy`)."""
     bound_selector = llm.runner.worker.selector
     out = {}
     peers = [Peer("dense", None)] + [Peer(f"quest_{b}", b) for b in budgets]
@@ -208,14 +209,14 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
               for b in budgets] if which.rerank > 1 else []
     peers += [Peer(f"quest_pages_{b}_rerank{which.rerank}_mass", b, pages=True, rerank=which.rerank, score="mass")
               for b in budgets] if which.rerank > 1 and which.mass else []
-    peers += [Peer(f"quest_pages_{b}_int8_keys", b, pages=True, key_copy=True)
-              for b in budgets] if copy_selector else []
+    peers += [Peer(f"quest_pages_{b}_int{bits}_keys", b, pages=True, key_copy=bits)
+              for bits in copy_selectors or {} for b in budgets]
     for name, budget, page_select, ordered, launched, rerank, score, key_copy in peers:
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
             llm.runner.staged_decode = False  # offload: the eager split path, at the PCIe floor
         else:
-            selector = copy_selector if key_copy else bound_selector
+            selector = copy_selectors[key_copy] if key_copy else bound_selector
             selector.token_budget, selector.page_select, selector.ordered_top = budget, page_select, ordered
             selector.rerank, selector.rerank_score = rerank, score
             llm.runner.set_block_selector(selector)
@@ -251,7 +252,7 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     probe = None
     release_memory()
     parsed = parse_cases(cases, max_len, steps)
-    # the bound's peers on the engine's selector; the key copy's (quest_key_copy="int8") on a second one
+    # the bound's peers on the engine's selector; the key copies' (quest_key_copy="int8", "int4") on others
     options = dict(load_format="dummy", max_model_len=max_len, sparse_policy="quest", quest_token_budget=budgets[0],
                    quest_key_copy="none")
     needed_blocks = max(b * (c + 320) for b, c in parsed) // 256 + 8
@@ -267,13 +268,13 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     else:  # the cases' blocks, not the whole card: the key copy peer's copy comes on top
         options.update(num_gpu_blocks=needed_blocks)
     llm = LLM(config, **options)
-    copy_selector = with_key_copy(llm) if which.key_copy else None
+    copy_selectors = {bits: with_key_copy(llm, bits) for bits in which.key_copy}
     results = []
     for batch, context in parsed:
         ids = prefill_requests(llm, random_prompts(vocab, batch, context, context + batch), steps)
         log(f"{'offload' if offload else 'GPU-only'} decode {batch}x{context}:")
         results.append(dict(batch=batch, context=context,
-                            **decode_peers(llm, budgets, steps, h2d, which, copy_selector)))
+                            **decode_peers(llm, budgets, steps, h2d, which, copy_selectors)))
         for request_id in ids:
             llm.abort_request(request_id)
     llm = None
@@ -281,16 +282,16 @@ def decode_cases(config: str, cases: list[str], budgets: list[int], steps: int, 
     return results
 
 
-def with_key_copy(llm: LLM) -> QuestSelector:
-    """A second Quest selector beside the engine's, its pages scored through an int8 copy of every key (what
-    quest_key_copy="int8" builds), the copy registered on the cache before any prefill (it follows blocks to the
-    host). Its device bytes are logged: they come on top of the card budget, as the bounds do."""
+def with_key_copy(llm: LLM, bits: int = 8) -> QuestSelector:
+    """A second Quest selector beside the engine's, its pages scored through a copy of every key at `bits` (what
+    quest_key_copy="int8" / "int4" builds), the copy registered on the cache before any prefill (it follows blocks
+    to the host). Its device bytes are logged: they come on top of the card budget, as the bounds do."""
     worker, config = llm.runner.worker, llm.config
     num_host = worker.host_pool.num_host_blocks if worker.host_pool else 0
-    copy = BlockKeyCopy(worker.kv_cache.data[0], num_host, config.quest_dense_layers)
+    copy = BlockKeyCopy(worker.kv_cache.data[0], num_host, config.quest_dense_layers, bits=bits)
     worker.kv_cache.hooks.append(copy)
     copy_bytes = sum(t.numel() * t.element_size() for t in (copy.codes, copy.scales, copy.host_codes, copy.host_scales))
-    log(f"int8 key copy {copy_bytes / 2**30:.1f} GiB (device and host blocks)")
+    log(f"int{bits} key copy {copy_bytes / 2**30:.1f} GiB (device and host blocks)")
     bound = worker.selector
     return QuestSelector(copy, bound.token_budget, bound.dense_layers, bound.min_context, page_select=True,
                          max_model_len=bound.max_model_len, device_keys=bound.device_keys, host_keys=bound.host_keys)
@@ -418,8 +419,9 @@ def main() -> None:
                     help="N > 1: page peers with quest_rerank=N too (candidates ranked by their keys)")
     ap.add_argument("--mass-peer", action="store_true",
                     help="with --rerank-peer: those peers with quest_rerank_score=mass too")
-    ap.add_argument("--key-copy-peer", action="store_true",
-                    help="page peers with every key scored through an int8 copy (quest_key_copy=int8) too")
+    ap.add_argument("--key-copy-peer", nargs="*", type=int, choices=[8, 4], default=None,
+                    help="page peers with every key scored through a copy (quest_key_copy) of these bits too "
+                         "(no value: 8)")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-gpu-only", action="store_true")
@@ -443,7 +445,7 @@ def main() -> None:
     args = ap.parse_args()
     require_cuda()
     which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer,
-                        args.mass_peer, args.key_copy_peer)
+                        args.mass_peer, () if args.key_copy_peer is None else tuple(args.key_copy_peer or [8]))
     results: dict = {}
     if not args.skip_prefill:
         results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride, args.cover) for c in args.contexts]

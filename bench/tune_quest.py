@@ -9,7 +9,7 @@ device pool) over its launch options, the candidates' key bytes over the kernel 
 over its launch options (tile, blocks per program, warps, pipeline stages), the copy's bytes over the kernel time.
 
     PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16]
-        [--top-only | --candidates | --key-copy]
+        [--top-only | --candidates | --key-copy [--key-copy-bits 8 4]]
         [--top-width 131072]  (--top-width: the score and top kernels also on tables that wide, as in a graph
         sized for that length)
 """
@@ -49,7 +49,9 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--top-only", action="store_true", help="only the ordered top kernel")
     ap.add_argument("--candidates", action="store_true", help="only the rerank's candidate kernel")
-    ap.add_argument("--key-copy", action="store_true", help="only the int8 key copy's page-score kernel")
+    ap.add_argument("--key-copy", action="store_true", help="only the key copy's page-score kernel")
+    ap.add_argument("--key-copy-bits", nargs="+", type=int, choices=[8, 4], default=[8],
+                    help="with --key-copy: the copies swept (int8, int4)")
     ap.add_argument("--top-width", type=int, default=None,
                     help="the top kernel's rows as wide as this context's pages (a narrowed graph's width at this "
                          "max_model_len), the rows' own ends at --contexts; chunked peers besides the engine's "
@@ -164,30 +166,34 @@ def sweep_candidates(args, budget_tokens: int = 2048, rerank: int = 2) -> list[d
     return results
 
 
-def key_copy_inputs(batch: int, context: int) -> tuple:
-    """One layer's int8 key copy of batch sequences of context keys in shuffled device blocks."""
+def key_copy_inputs(batch: int, context: int, bits: int = 8) -> tuple:
+    """One layer's key copy (int8, or int4 two codes per byte) of batch sequences of context keys in shuffled
+    device blocks."""
     blocks = -(-context // BLOCK)
-    codes = torch.randint(-127, 128, (batch * blocks * BLOCK, KV_HEADS, DIM), dtype=torch.int8, device="cuda")
+    codes = torch.randint(-127, 128, (batch * blocks * BLOCK, KV_HEADS, DIM * bits // 8), dtype=torch.int8,
+                          device="cuda")
     scales = torch.rand(batch * blocks * BLOCK, KV_HEADS, device="cuda") / 127
     tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
     seq_lens = torch.full((batch,), context, dtype=torch.int64, device="cuda")
     q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-    nbytes = batch * context * KV_HEADS * (DIM + scales.element_size())
+    nbytes = batch * context * KV_HEADS * (DIM * bits // 8 + scales.element_size())
     return (q, codes, scales, codes[:0], scales[:0], tables, seq_lens, BLOCK, PAGE, None), nbytes
 
 
 def sweep_key_copy(args) -> list[dict]:
     bandwidth = measure_hbm_bandwidth()
-    default = dict(pages=True, blocks_per_program=2, num_warps=triton_quest.KEY_COPY_WARPS,
-                   tile=triton_quest.KEY_COPY_TILE, num_stages=triton_quest.KEY_COPY_STAGES)
-    launches = [dict(pages=True, blocks_per_program=n, num_warps=w, tile=t, num_stages=st)
-                for n, w, t, st in itertools.product([1, 2, 4, 8], [4, 8], [64, 128], [1, 2, 3])]
     results = []
-    for batch, context in itertools.product(args.batches, args.contexts):
-        call, nbytes = key_copy_inputs(batch, context)
-        rows = time_launches(triton_quest.key_copy_scores, call, launches, default, nbytes, bandwidth,
-                             f"int8 key copy, batch {batch} x {context}: pages", atol=1e-2, rtol=1e-3)
-        results.append(dict(kernel="key_copy_scores", batch=batch, context=context, bytes=nbytes, rows=rows))
+    for bits in args.key_copy_bits:
+        default = dict(pages=True, blocks_per_program=2, num_warps=triton_quest.KEY_COPY_WARPS,
+                       tile=triton_quest.KEY_COPY_TILE, num_stages=triton_quest.KEY_COPY_STAGES, bits=bits)
+        launches = [dict(pages=True, blocks_per_program=n, num_warps=w, tile=t, num_stages=st, bits=bits)
+                    for n, w, t, st in itertools.product([1, 2, 4, 8], [4, 8], [64, 128], [1, 2, 3])]
+        for batch, context in itertools.product(args.batches, args.contexts):
+            call, nbytes = key_copy_inputs(batch, context, bits)
+            rows = time_launches(triton_quest.key_copy_scores, call, launches, default, nbytes, bandwidth,
+                                 f"int{bits} key copy, batch {batch} x {context}: pages", atol=1e-2, rtol=1e-3)
+            results.append(dict(kernel="key_copy_scores", bits=bits, batch=batch, context=context, bytes=nbytes,
+                                rows=rows))
     return results
 
 

@@ -23,10 +23,11 @@ from test_sparse import BS, GREEDY, PAGE_BS, PAGE_HK, PROMPTS, PageStep, positio
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def quantized(keys: torch.Tensor) -> torch.Tensor:
-    """keys [..., D] as an int8 copy with one scale per row (max |k| / 127) gives them back."""
-    scale = keys.abs().amax(-1, keepdim=True) / 127
-    return (keys / scale).round().clamp(-127, 127) * scale
+def quantized(keys: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """keys [..., D] as an int8 (int4) copy with one scale per row (max |k| / 127, / 7) gives them back."""
+    top = 127 if bits == 8 else 7
+    scale = keys.abs().amax(-1, keepdim=True) / top
+    return (keys / scale).round().clamp(-top, top) * scale
 
 
 def brute_force_copy_pages(keys: torch.Tensor, q: torch.Tensor, seq_len: int, budget_pages: int) -> torch.Tensor:
@@ -55,30 +56,46 @@ def copy_step(seed: int, offload: bool) -> tuple[PageStep, QuestSelector]:
     return step, QuestSelector(step.bounds, token_budget=16 * 5, dense_layers=0, min_context=0, page_select=True)
 
 
-def test_the_copy_gives_the_keys_back_within_half_a_step_and_follows_them_to_the_host():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_copy_gives_the_keys_back_within_half_a_step_and_follows_them_to_the_host(bits):
     """Each key within half its row's quantization step; a block moved to the host keeps its rows there (the
-    device block then reused by other keys), and a device block written again is computed afresh."""
+    device block then reused by other keys), and a device block written again is computed afresh. 4 bits: two
+    codes per byte."""
     g = torch.Generator().manual_seed(0)
     cache = PagedKVCache(3, 6, 32, 2, 16, torch.float32, torch.device("cpu"))
-    copy = BlockKeyCopy(cache.data[0], num_host_blocks=4, first_layer=1)
+    copy = BlockKeyCopy(cache.data[0], num_host_blocks=4, first_layer=1, bits=bits)
     cache.hooks.append(copy)
     cache.data[0].copy_(torch.randn(cache.data[0].shape, generator=g) * 3)
-    assert copy.codes.shape == (2, 6 * 32, 2, 16) and copy.scales.shape == (2, 6 * 32, 2)
+    assert copy.codes.shape == (2, 6 * 32, 2, 16 * bits // 8) and copy.scales.shape == (2, 6 * 32, 2)
     copy.fill(7, [1, 4], None)
     for layer in (1, 2):
         got, want = copy.block_keys(layer, [4, 1], None), cache.data[0, layer, [4, 1]].flatten(0, 1)
-        step = want.abs().amax(-1, keepdim=True) / 127
+        step = want.abs().amax(-1, keepdim=True) / (127 if bits == 8 else 7)
         assert ((got - want).abs() <= step / 2 + 1e-6).all()
-        torch.testing.assert_close(got, quantized(want), atol=1e-6, rtol=0)
+        torch.testing.assert_close(got, quantized(want, bits), atol=1e-6, rtol=0)
     before = cache.data[0, :, 4].clone()
     cache.moved_to_host([(4, 2), (3, 0)])  # block 3 was never filled: the move computes it
     cache.data[0, :, [3, 4]] = torch.randn(3, 2, 32, 2, 16, generator=g)
     copy.written([3, 4])
     host = copy.block_keys(2, [2], [True])
-    torch.testing.assert_close(host, quantized(before[2]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(host, quantized(before[2], bits), atol=1e-6, rtol=0)
     copy.fill(8, [4], None)
-    torch.testing.assert_close(copy.block_keys(2, [4], None), quantized(cache.data[0, 2, 4]), atol=1e-6, rtol=0)
-    assert BlockKeyCopy.bytes_per_block(2, 32, 2, 16) == copy.codes[:, :32].numel() + copy.scales[:, :32].numel() * 4
+    torch.testing.assert_close(copy.block_keys(2, [4], None), quantized(cache.data[0, 2, 4], bits), atol=1e-6, rtol=0)
+    assert BlockKeyCopy.bytes_per_block(2, 32, 2, 16, bits) == \
+        copy.codes[:, :32].numel() + copy.scales[:, :32].numel() * 4
+
+
+def test_a_four_bit_copy_packs_dimension_pairs_into_bytes():
+    """Dimension 2i in a byte's low nibble, 2i + 1 in its high one, each signed (-7..7)."""
+    from nanovllm.layers.block_metadata import quantize_keys, unpack_codes
+
+    k = torch.tensor([[7.0, -7.0, 1.0, 0.0, -3.0, 2.0]])
+    codes, scales = quantize_keys(k, 4)
+    assert scales.tolist() == [1.0] and codes.shape == (1, 3)
+    assert [c & 0xF for c in codes[0].tolist()] == [7, 1, 13] and [c >> 4 for c in codes[0].tolist()] == [-7, 0, 2]
+    assert unpack_codes(codes, 4).tolist() == [[7, -7, 1, 0, -3, 2]]
+    with pytest.raises(ValueError, match="8 or 4 bits per code"):
+        BlockKeyCopy(torch.zeros(1, 2, 16, 1, 3), 0, bits=4)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -132,18 +149,20 @@ def test_the_key_copy_has_nothing_to_rerank():
     (16, 2, 3, False, torch.float32), (32, 2, 2, True, torch.float32), (64, 1, 4, True, torch.float32),
     (48, 4, 1, True, torch.float32), (256, 2, 4, True, torch.bfloat16)])
 @pytest.mark.parametrize("pages", [False, True], ids=["blocks", "pages"])
-@pytest.mark.parametrize("blocks_per_program, tile, stages", [(1, 64, 2), (2, 128, 2), (4, 64, 2), (3, 16, 3)])
+@pytest.mark.parametrize("blocks_per_program, tile, stages, bits, dim", [
+    (1, 64, 2, 8, 16), (2, 128, 2, 8, 16), (4, 64, 2, 8, 16), (3, 16, 3, 8, 16),
+    (2, 64, 2, 4, 32), (1, 128, 3, 4, 16)])  # 4 bits at head_dim 16: codes too narrow for a tensor-core product
 def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host, dtype, pages, blocks_per_program,
-                                           tile, stages):
+                                           tile, stages, bits, dim):
     pytest.importorskip("triton")
     if dtype == torch.bfloat16 and DEVICE.type != "cuda":
         pytest.skip("bf16 queries: the compiled kernel's tensor-core path")
     from nanovllm.kernels.triton_quest import key_copy_scores
 
     g = torch.Generator().manual_seed(block_size + num_kv_heads)
-    dim, num_blocks, num_host = 16, 24, 12
+    num_blocks, num_host = 24, 12
     cache = PagedKVCache(2, num_blocks, block_size, num_kv_heads, dim, torch.float32, torch.device("cpu"))
-    copy = BlockKeyCopy(cache.data[0], num_host, first_layer=1)
+    copy = BlockKeyCopy(cache.data[0], num_host, first_layer=1, bits=bits)
     cache.hooks.append(copy)
     cache.data[0].copy_(torch.randn(cache.data[0].shape, generator=g))
     seq_lens = [5 * block_size + 7, 2 * block_size, 9 * block_size + 1]  # a partial last block, a full one
@@ -163,7 +182,7 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
     to = lambda t: t.to(DEVICE)  # noqa: E731
     got = key_copy_scores(to(q), *map(to, copy.layer_arrays(1)), to(layout.ids), to(layout.seq_lens), block_size,
                           16, layout.base, pages=pages, blocks_per_program=blocks_per_program, tile=tile,
-                          num_stages=stages).cpu()
+                          num_stages=stages, bits=bits).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], atol=1e-3, rtol=1e-4)
@@ -171,15 +190,16 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
     assert finite.sum() == sum(columns(n) for n in seq_lens) * num_kv_heads
 
 
+@pytest.mark.parametrize("key_copy", ["int8", "int4"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_key_copy_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, device):
+def test_key_copy_with_a_budget_covering_the_context_equals_full_attention(tiny_llama, device, key_copy):
     """Offload, pages: every page kept, the outputs are full attention's (the copy only chooses; on CUDA inside
     the decode graphs)."""
     options = dict(num_gpu_blocks=4, enable_cpu_offload=True, cpu_kv_cache_gb=0.01, dtype="float32", device=device)
     want = LLM(str(tiny_llama), kvcache_block_size=4 * BS, max_num_batched_tokens=64,
                **options).generate(PROMPTS, GREEDY, use_tqdm=False)
     got = quest_llm(tiny_llama, quest_token_budget=4096, quest_page_select=True, kvcache_block_size=4 * BS,
-                    quest_key_copy="int8", **options).generate(PROMPTS, GREEDY, use_tqdm=False)
+                    quest_key_copy=key_copy, **options).generate(PROMPTS, GREEDY, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids and g.metrics.decode_density == 1.0
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
@@ -196,7 +216,7 @@ def test_key_copy_in_the_engine_reads_the_budget_and_no_candidate_keys(tiny_llam
     if offload:
         memory = dict(num_gpu_blocks=4, enable_cpu_offload=True, cpu_kv_cache_gb=0.01)
     runs = {}
-    for key_copy in ("none", "int8"):
+    for key_copy in ("none", "int8", "int4"):
         llm = quest_llm(tiny_llama, quest_token_budget=32, quest_page_select=True, kvcache_block_size=4 * BS,
                         quest_key_copy=key_copy, dtype="float32", device=device, **memory)
         selector, chosen = llm.runner.worker.selector, []
@@ -205,26 +225,29 @@ def test_key_copy_in_the_engine_reads_the_budget_and_no_candidate_keys(tiny_llam
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         pool = llm.runner.host_pool
         runs[key_copy] = (outs, [c for c in chosen if c is not None], pool.stats.h2d_bytes if pool else 0)
-    (bound, bound_chosen, bound_bytes), (exact, exact_chosen, exact_bytes) = runs["none"], runs["int8"]
-    assert [o.metrics.decode_density for o in exact] == [o.metrics.decode_density for o in bound]
-    assert all(len(o.token_ids) == GREEDY.max_tokens for o in exact)
-    assert exact_chosen and any(not torch.equal(a, b) for a, b in zip(bound_chosen, exact_chosen))
-    assert sum(o.metrics.host_kv_bytes_read for o in exact) == exact_bytes
-    assert (0 < exact_bytes < bound_bytes) if offload else exact_bytes == bound_bytes == 0
+    bound, bound_chosen, bound_bytes = runs["none"]
+    for exact, exact_chosen, exact_bytes in (runs["int8"], runs["int4"]):
+        assert [o.metrics.decode_density for o in exact] == [o.metrics.decode_density for o in bound]
+        assert all(len(o.token_ids) == GREEDY.max_tokens for o in exact)
+        assert exact_chosen and any(not torch.equal(a, b) for a, b in zip(bound_chosen, exact_chosen))
+        assert sum(o.metrics.host_kv_bytes_read for o in exact) == exact_bytes
+        assert (0 < exact_bytes < bound_bytes) if offload else exact_bytes == bound_bytes == 0
 
 
-def test_the_worker_budgets_the_key_copy(tiny_llama):
-    """A pool sized from memory holds fewer blocks by the copy's bytes: per block, the sparse layers' int8 keys
-    and their scales."""
+@pytest.mark.parametrize("key_copy, bits", [("int8", 8), ("int4", 4)])
+def test_the_worker_budgets_the_key_copy(tiny_llama, key_copy, bits):
+    """A pool sized from memory holds fewer blocks by the copy's bytes: per block, the sparse layers' codes
+    (a byte per dimension, or per two) and their scales."""
     plain = quest_llm(tiny_llama, quest_token_budget=32, cpu_kv_cache_gb=0.002, quest_key_copy="none")
-    copying = quest_llm(tiny_llama, quest_token_budget=32, cpu_kv_cache_gb=0.002, quest_key_copy="int8",
+    copying = quest_llm(tiny_llama, quest_token_budget=32, cpu_kv_cache_gb=0.002, quest_key_copy=key_copy,
                         quest_dense_layers=1)
     layers, block_size, heads, dim = copying.runner.kv_shape
     kv = 2 * layers * block_size * heads * dim * 4
-    copy = (layers - 1) * block_size * heads * (dim + 4)
+    copy = (layers - 1) * block_size * heads * (dim * bits // 8 + 4)
     budget = 0.002 * 2**30
     assert plain.runner.worker.num_blocks == int(budget // kv)
     assert copying.runner.worker.num_blocks == int(budget // (kv + copy)) < plain.runner.worker.num_blocks
+    assert copying.runner.worker.selector.metadata.bits == bits
 
 
 def test_a_card_the_copy_leaves_no_room_on_names_the_copy(tiny_llama, monkeypatch):
@@ -244,7 +267,7 @@ def test_a_card_the_copy_leaves_no_room_on_names_the_copy(tiny_llama, monkeypatc
                            lambda: 0, worker._reserved_for(copy))
     message = str(error.value)
     assert f"int8 key copy of {worker._host_blocks()} host blocks" in message
-    assert "quest_key_copy='none'" in message and f"{reserved / 2**20:.1f} MiB reserved" in message
+    assert "quest_key_copy='int4' halves it, 'none'" in message and f"{reserved / 2**20:.1f} MiB reserved" in message
     assert "the dense layers' device copy of the host blocks (quest_dense_layers=1)" in message
     assert "int8 key copy" not in quest_llm(tiny_llama, quest_key_copy="none", enable_cpu_offload=True,
                                             cpu_kv_cache_gb=0.002, num_gpu_blocks=4).runner.worker._reserved_for(0)
@@ -252,7 +275,8 @@ def test_a_card_the_copy_leaves_no_room_on_names_the_copy(tiny_llama, monkeypatc
 
 def test_key_copy_kernel_compiles_for_sm90_without_a_gpu():
     """The compiled kernel (bf16 queries on tensor cores, which the interpreter does not run): Llama-3.1-8B's shape
-    with pages and with blocks as columns, SmolLM2's (3 query heads per KV head, head_dim 64) in fp32; the
+    with pages and with blocks as columns, SmolLM2's (3 query heads per KV head, head_dim 64) in fp32, both
+    shapes' 4-bit copies and the tiny test model's (head_dim 16: codes narrower than a tensor-core product); the
     request-dependent scalars opt out of specialisation."""
     pytest.importorskip("triton")
     from compiled_helpers import assert_runs_compiled
@@ -269,9 +293,11 @@ sig = {name: "i32" for name in names[6:first_constexpr]}
 sig.update(codes_ptr="*i8", scales_ptr="*fp32", tables_ptr="*i64", seq_lens_ptr="*i64", out_ptr="*fp32",
            codes_delta="i64", scales_delta="i64", base="i64")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
-for q, group, dim, pages in [("*bf16", 4, 128, True), ("*bf16", 4, 128, False), ("*fp32", 3, 64, True)]:
-    consts = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=dim, PAGE_SIZE=16, BLOCK_SIZE=256, TILE=64, BLOCKS=2,
-                  PAGE_OUT=pages, IEEE=q == "*fp32", STAGES=2)
+for q, group, dim, pages, bits in [("*bf16", 4, 128, True, 8), ("*bf16", 4, 128, False, 8), ("*fp32", 3, 64, True, 8),
+                                   ("*bf16", 4, 128, True, 4), ("*bf16", 3, 64, True, 4), ("*fp32", 4, 16, True, 4),
+                                   ("*bf16", 4, 16, False, 4)]:
+    consts = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=dim, PAGE_SIZE=16, BLOCK_SIZE=256, TILE=128, BLOCKS=2,
+                  PAGE_OUT=pages, IEEE=q == "*fp32", STAGES=2, BITS=bits)
     compiled = triton.compile(ASTSource(kernel, {**sig, "q_ptr": q}, consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
     assert compiled.asm["cubin"]

@@ -34,7 +34,7 @@ BS = 16
     ("quest_page_select", 1, "quest_page_select must be a bool"),
     ("quest_rerank", 0, "quest_rerank must be a positive integer"),
     ("quest_rerank_score", "sum", r"quest_rerank_score must be one of \('max', 'mass'\)"),
-    ("quest_key_copy", "fp4", r"quest_key_copy must be one of \('none', 'int8'\)"),
+    ("quest_key_copy", "fp4", r"quest_key_copy must be one of \('none', 'int8', 'int4'\)"),
     ("sparse_min_context", True, "sparse_min_context must be an integer >= 0"),
 ])
 def test_bad_sparse_options_name_the_limit(tiny_llama, option, value, message):

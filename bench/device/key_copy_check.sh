@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #15: what is left to measure before quest_key_copy="int8" can be Quest's default, on the device machine
+# Issue #15: the measurements that made quest_key_copy="int8" Quest's default (twenty-ninth session), on the device machine
 # (repo root there; `source bench/device/on_device.sh && wheels` first on a fresh machine):
 #   gpu    GPU-only decode, 16 x 32K and 1 x 128K at budget 2048: pages by the bound, the default (rerank 2) and the
 #          int8 copy, dense the peer (bench/sparse.py --key-copy-peer); JSON in $OUT, log /tmp/kc/gpu_only.log

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.config import EngineConfig
+from nanovllm.config import QUEST_KEY_COPY_BITS, EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TensorParallel, broadcast_from_driver, min_over_ranks
 from nanovllm.engine import graph_copies
 from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, resolve_placeholders
@@ -116,10 +116,11 @@ class Worker:
         return HostKVPool(self.kv_cache, host_blocks, self._ring_blocks(), self._mirrored_layers())
 
     def _key_copy_bytes_per_block(self) -> int:
-        """Device bytes of Quest's int8 key copy (quest_key_copy) per block of either pool."""
-        if "quest" not in self.config.sparse_policy or self.config.quest_key_copy != "int8":
+        """Device bytes of Quest's key copy (quest_key_copy) per block of either pool."""
+        if "quest" not in self.config.sparse_policy or self.config.quest_key_copy == "none":
             return 0
-        return BlockKeyCopy.bytes_per_block(self.kv_shape[0] - self._mirrored_layers(), *self.kv_shape[1:])
+        return BlockKeyCopy.bytes_per_block(self.kv_shape[0] - self._mirrored_layers(), *self.kv_shape[1:],
+                                            QUEST_KEY_COPY_BITS[self.config.quest_key_copy])
 
     def _blocks_that_fit(self) -> int:
         """Reserved beside the device pool in offload mode: the ring, the mirrored layers' host blocks and
@@ -138,8 +139,8 @@ class Worker:
             parts.append(f"the dense layers' device copy of the host blocks (quest_dense_layers={mirrored})")
         if copy_bytes_per_block:
             size = readable_size(self._host_blocks() * copy_bytes_per_block)
-            parts.append(f"Quest's int8 key copy of {self._host_blocks()} host blocks ({size}; "
-                         f"quest_key_copy='none' or a smaller cpu_kv_cache_gb frees it)")
+            parts.append(f"Quest's {self.config.quest_key_copy} key copy of {self._host_blocks()} host blocks "
+                         f"({size}; quest_key_copy='int4' halves it, 'none' or a smaller cpu_kv_cache_gb frees it)")
         return ", ".join(parts)
 
     def _warm_up_peak(self) -> int:

@@ -343,32 +343,51 @@ KEY_COPY_WARPS = 4
 KEY_COPY_STAGES = 2
 
 
+@triton.jit
+def _codes_dot(q, codes, IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+    """[GROUP_PAD, TILE] float32 q . codes: a tensor-core product (codes exact in bf16 / fp16; IEEE: in fp32),
+    or for codes narrower than a product's 16 (a 4-bit copy of head_dim < 32) broadcast products summed."""
+    if not USE_DOT:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * codes.to(tl.float32)[None, :, :], axis=2)
+    elif IEEE:
+        s = tl.dot(q, tl.trans(codes.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(codes.to(q.dtype)))
+    return s
+
+
 @triton.jit(do_not_specialize=["num_columns", "stride_tb"])
 def _key_copy_scores_kernel(
     q_ptr, codes_ptr, scales_ptr, tables_ptr, seq_lens_ptr, out_ptr, codes_delta, scales_delta, base, num_columns,
     stride_qb, stride_qh, stride_cr, stride_ch, stride_sr, stride_sh, stride_tb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCKS: tl.constexpr, PAGE_OUT: tl.constexpr,
-    IEEE: tl.constexpr, STAGES: tl.constexpr,
+    IEEE: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr,
 ):
     """One (sequence, KV head, run of BLOCKS blocks): per page (PAGE_OUT) or block, the largest
     scale_t * (q . codes_t) over its tokens before the sequence's end and the group's query heads; host
-    blocks (table entries >= base) read codes_delta / scales_delta elements away. The run's tiles are one
-    loop (its loads pipelined over STAGES); a run past the sequence's end loads nothing."""
+    blocks (table entries >= base) read codes_delta / scales_delta elements away. BITS 4: a byte holds the
+    codes of dimensions 2i (low nibble) and 2i + 1 (high), met by the queries' even and odd dimensions. The
+    run's tiles are one loop (its loads pipelined over STAGES); a run past the sequence's end loads nothing."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     first = tl.program_id(2) * BLOCKS
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    WIDTH: tl.constexpr = HEAD_DIM * BITS // 8  # bytes of a token's codes
+    d = tl.arange(0, WIDTH)
     t = tl.arange(0, TILE)
     out_row = out_ptr + b * stride_ob + h * stride_oh
     TILES: tl.constexpr = BLOCK_SIZE // TILE
     if first * BLOCK_SIZE < seq_len:
-        q = tl.load(q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUP)[:, None], other=0.0)
+        q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh
+        q = tl.load(q_rows + (d if BITS == 8 else 2 * d)[None, :], mask=(g < GROUP)[:, None], other=0.0)
+        if BITS == 4:
+            q_odd = tl.load(q_rows + (2 * d + 1)[None, :], mask=(g < GROUP)[:, None], other=0.0)
+        else:
+            q_odd = q
         if IEEE:
-            q = q.to(tl.float32)
+            q, q_odd = q.to(tl.float32), q_odd.to(tl.float32)
         best = tl.full([], float("-inf"), tl.float32)
         for j in tl.range(0, BLOCKS * TILES, num_stages=STAGES):
             c = first + j // TILES
@@ -384,10 +403,11 @@ def _key_copy_scores_kernel(
                             + tl.where(on_host, codes_delta, 0), mask=ok[:, None], other=0)
             scale = tl.load(scales_ptr + rows * stride_sr + h * stride_sh + tl.where(on_host, scales_delta, 0),
                             mask=ok, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(codes.to(tl.float32)), input_precision="ieee")
-            else:  # int8 codes are exact in bf16 / fp16
-                s = tl.dot(q, tl.trans(codes.to(q.dtype)))
+            if BITS == 4:  # arithmetic shifts give each nibble its sign
+                s = _codes_dot(q, (codes << 4) >> 4, IEEE, WIDTH >= 16) + _codes_dot(q_odd, codes >> 4, IEEE,
+                                                                                     WIDTH >= 16)
+            else:
+                s = _codes_dot(q, codes, IEEE, WIDTH >= 16)
             s = tl.where((g < GROUP)[:, None] & ok[None, :], s * scale[None, :], float("-inf"))
             token_best = tl.max(s, axis=0)  # [TILE]
             if PAGE_OUT:
@@ -412,14 +432,17 @@ def key_copy_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
                     host_scales: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                     page_size: int, base: int | None, pages: bool = False, blocks_per_program: int = 2,
                     num_warps: int = KEY_COPY_WARPS, tile: int = KEY_COPY_TILE,
-                    num_stages: int = KEY_COPY_STAGES) -> torch.Tensor:
+                    num_stages: int = KEY_COPY_STAGES, bits: int = 8) -> torch.Tensor:
     """[B, Hk, W] float32 (pages: [B, Hk, W * block_size // page_size]): `QuestSelector.copy_scores` (its
     reference) in one launch. q [B, Hq, D]; codes [rows, Hk, D] int8 and scales [rows, Hk] one layer's key
-    copy of the device pool (row = block * block_size + token), host_codes / host_scales the host blocks'
+    copy of the device pool (row = block * block_size + token; bits 4: codes [rows, Hk, D / 2], two per byte,
+    `BlockKeyCopy`'s packing), host_codes / host_scales the host blocks'
     (entries >= base of tables [B, W]; may be empty); seq_lens [B]. tile: tokens per matrix product (at most
     the block; a power of two dividing it is used); `bench/tune_quest.py --key-copy` sweeps the launch."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = codes.shape[1]
+    if codes.shape[2] != head_dim * bits // 8:
+        raise ValueError(f"codes of {codes.shape[2]} bytes per key at {bits} bits for head_dim {head_dim}")
     if host_codes.numel() and (host_codes.stride() != codes.stride() or host_scales.stride() != scales.stride()):
         raise ValueError("the host blocks' key copy needs the device copy's strides")
     codes_delta = host_codes.data_ptr() - codes.data_ptr() if host_codes.numel() else 0
@@ -435,6 +458,6 @@ def key_copy_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_SIZE=block_size, TILE=tile, BLOCKS=blocks_per_program, PAGE_OUT=pages,
-        IEEE=q.dtype == torch.float32, STAGES=num_stages, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, STAGES=num_stages, BITS=bits, num_warps=num_warps,
     )
     return out

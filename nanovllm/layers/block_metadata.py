@@ -158,32 +158,37 @@ class BlockKeyBounds(LazyKeyMetadata):
 
 
 class BlockKeyCopy(LazyKeyMetadata):
-    """An int8 copy of the keys of layers first_layer.. of the device pool `keys` [layers, blocks, block_size,
-    Hk, D]: per token and KV head the codes round(k / s) and the scale s = max |k| / 127, so k ~ s * codes
-    (D + 4 bytes per token and KV head: 0.52x the keys' bf16 bytes). Like the bounds it lives on the device
-    for every block, device- and host-resident alike, and is filled lazily: a block's rows are computed from
-    its keys when a selection first needs them or when it moves to the host. Quest scores each page exactly
+    """A quantized copy of the keys of layers first_layer.. of the device pool `keys` [layers, blocks, block_size,
+    Hk, D]: per token and KV head the codes round(k / s) and the scale s = max |k| / 127 (bits=8, D + 4 bytes per
+    token and KV head: 0.52x the keys' bf16 bytes) or max |k| / 7 (bits=4, two codes per byte, dimension 2i in the
+    low nibble and 2i + 1 in the high: D / 2 + 4 bytes, 0.27x), so k ~ s * codes. Like the bounds it lives on the
+    device for every block, device- and host-resident alike, and is filled lazily: a block's rows are computed
+    from its keys when a selection first needs them or when it moves to the host. Quest scores each page exactly
     through it (its largest q . k), which needs no bound and, in offload mode, no host key read."""
 
-    def __init__(self, keys: torch.Tensor, num_host_blocks: int, first_layer: int = 0, page_size: int = 16):
+    def __init__(self, keys: torch.Tensor, num_host_blocks: int, first_layer: int = 0, page_size: int = 16,
+                 bits: int = 8):
         num_layers, num_blocks, block_size, num_kv_heads, head_dim = keys.shape
         if block_size % page_size:
             raise ValueError(f"page_size={page_size} must divide block_size={block_size}")
+        if bits not in (4, 8) or head_dim * bits % 8:
+            raise ValueError(f"a key copy has 8 or 4 bits per code (4: an even head_dim), got bits={bits}, "
+                             f"head_dim={head_dim}")
         super().__init__(num_blocks, keys)
-        self.first_layer, self.block_size, self.page_size = first_layer, block_size, page_size
+        self.first_layer, self.block_size, self.page_size, self.bits = first_layer, block_size, page_size, bits
         self.pages_per_block = block_size // page_size
-        layers, device = num_layers - first_layer, keys.device
+        layers, device, width = num_layers - first_layer, keys.device, head_dim * bits // 8
         rows, host_rows = num_blocks * block_size, num_host_blocks * block_size
-        self.codes = torch.zeros(layers, rows, num_kv_heads, head_dim, dtype=torch.int8, device=device)
+        self.codes = torch.zeros(layers, rows, num_kv_heads, width, dtype=torch.int8, device=device)
         self.scales = torch.zeros(layers, rows, num_kv_heads, dtype=torch.float32, device=device)
-        self.host_codes = torch.zeros(layers, host_rows, num_kv_heads, head_dim, dtype=torch.int8, device=device)
+        self.host_codes = torch.zeros(layers, host_rows, num_kv_heads, width, dtype=torch.int8, device=device)
         self.host_scales = torch.zeros(layers, host_rows, num_kv_heads, dtype=torch.float32, device=device)
         # per layer, views made once (the decode step asks for them in every sparse layer)
         self._layers = [(self.codes[i], self.scales[i], self.host_codes[i], self.host_scales[i]) for i in range(layers)]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-        return num_layers * block_size * num_kv_heads * (head_dim + 4)
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, bits: int = 8) -> int:
+        return num_layers * block_size * num_kv_heads * (head_dim * bits // 8 + 4)
 
     def on_write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Filled lazily: writes only make blocks stale (`written`)."""
@@ -202,9 +207,7 @@ class BlockKeyCopy(LazyKeyMetadata):
         for i in range(0, len(blocks), step):
             chunk = blocks[i : i + step]
             k = keys[:, torch.tensor(chunk, dtype=torch.int64).to(keys.device, non_blocking=True)].float()
-            k = k.flatten(1, 2)  # [layers, rows, Hk, D]
-            scales = k.abs().amax(-1) / 127
-            codes = (k / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().to(torch.int8)
+            codes, scales = quantize_keys(k.flatten(1, 2), self.bits)  # [layers, rows, Hk, D]
             rows = self._rows(chunk)
             self.codes.index_copy_(1, rows, codes)
             self.scales.index_copy_(1, rows, scales)
@@ -235,9 +238,28 @@ class BlockKeyCopy(LazyKeyMetadata):
         """[B, N, Hk, D] float32 keys of rows [B, N], host rows where host [B, N] is set."""
         codes, scales, host_codes, host_scales = self.layer_arrays(layer)
         device_rows = torch.where(host, 0, rows)
-        keys = codes[device_rows].float() * scales[device_rows][..., None]
+        keys = unpack_codes(codes[device_rows], self.bits).float() * scales[device_rows][..., None]
         if host_codes.shape[0] == 0:
             return keys
         host_rows = torch.where(host, rows, 0)
-        host_keys = host_codes[host_rows].float() * host_scales[host_rows][..., None]
+        host_keys = unpack_codes(host_codes[host_rows], self.bits).float() * host_scales[host_rows][..., None]
         return torch.where(host[..., None, None], host_keys, keys)
+
+
+def quantize_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float keys [..., D] -> (codes [..., D * bits / 8] int8, scales [...] float32): symmetric, one scale per row
+    (max |k| / 127 or / 7); 4 bits: dimension 2i in a byte's low nibble, 2i + 1 in its high one."""
+    top = 127 if bits == 8 else 7
+    scales = k.abs().amax(-1) / top
+    codes = (k / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-top, top).to(torch.int8)
+    if bits == 4:
+        codes = (codes[..., 0::2] & 0xF) | (codes[..., 1::2] << 4)
+    return codes, scales
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """quantize_keys' codes [..., D * bits / 8] as one int8 code per dimension [..., D]."""
+    if bits == 8:
+        return codes
+    low, high = (codes << 4) >> 4, codes >> 4  # arithmetic shifts: the nibbles' signs
+    return torch.stack((low, high), -1).flatten(-2)

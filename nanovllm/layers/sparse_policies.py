@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from nanovllm.config import QUEST_RERANK_SCORES
+from nanovllm.config import QUEST_KEY_COPY_BITS, QUEST_RERANK_SCORES
 from nanovllm.layers.block_metadata import BlockKeyBounds, BlockKeyCopy
 from nanovllm.layers.block_selector import BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput
 
@@ -373,7 +373,7 @@ class QuestSelector(BlockSelector):
             from nanovllm.kernels.triton_quest import key_copy_scores
 
             return key_copy_scores(q, *copy.layer_arrays(layer), layout.ids, layout.seq_lens, copy.block_size,
-                                   copy.page_size, layout.base, pages=pages)
+                                   copy.page_size, layout.base, pages=pages, bits=copy.bits)
         keys = copy.layout_keys(layer, layout)  # [B, tokens, Hk, D]
         group = q.float().view(q.shape[0], num_kv_heads, -1, q.shape[-1])
         scores = torch.einsum("bhgd,bthd->bhgt", group, keys).amax(2)  # [B, Hk, tokens]
@@ -798,16 +798,16 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
     if "quest" in config.sparse_policy:
         _, num_layers, num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
         num_host_blocks, page_size = host_pool.num_host_blocks if host_pool else 0, min(QUEST_PAGE_SIZE, block_size)
-        if config.quest_key_copy == "int8":
+        if config.quest_key_copy != "none":
             metadata = BlockKeyCopy(cache.data[0], num_host_blocks, min(config.quest_dense_layers, num_layers),
-                                    page_size)
+                                    page_size, QUEST_KEY_COPY_BITS[config.quest_key_copy])
         else:
             metadata = BlockKeyBounds(num_layers, num_blocks, num_host_blocks, block_size, num_kv_heads, head_dim,
                                       cache.data.device, page_size=page_size, dtype=cache.data.dtype,
                                       keys=cache.data[0])
         cache.hooks.append(metadata)
         host_keys = host_pool.host[0] if host_pool is not None else None
-        rerank = 1 if config.quest_key_copy == "int8" else config.quest_rerank  # every page is scored exactly
+        rerank = 1 if config.quest_key_copy != "none" else config.quest_rerank  # every page is scored exactly
         selectors["quest"] = QuestSelector(metadata, config.quest_token_budget, config.quest_dense_layers,
                                            config.sparse_min_context, page_select=config.quest_page_select,
                                            max_model_len=config.max_model_len, rerank=rerank,
