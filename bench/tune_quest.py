@@ -5,8 +5,9 @@ top kernel on page scores of the same shapes (budget 2048 tokens = 128 pages, si
 pages) against top-k + sort (the reference), same results checked. With --candidates instead: the rerank's
 candidate kernel (quest_rerank=2 at budget 2048: 256 candidate pages per KV head, their keys read from the
 device pool) over its launch options, the candidates' key bytes over the kernel time as a fraction of HBM. With
---key-copy: the kernel scoring pages through quest_key_copy="int8"'s copy (int8 codes and a float32 scale per key)
-over its launch options (tile, blocks per program, warps, pipeline stages), the copy's bytes over the kernel time.
+--key-copy: the kernel scoring pages through quest_key_copy's copy (int8 codes, or with --key-copy-bits 4 two
+4-bit codes per byte, and a float32 scale per key) over its launch options (tile, blocks per program, warps,
+pipeline stages), the copy's bytes over the kernel time.
 
     PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16]
         [--top-only | --candidates | --key-copy [--key-copy-bits 8 4]]
