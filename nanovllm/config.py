@@ -53,8 +53,9 @@ class EngineConfig:
     quest_token_budget: int = 2048  # Quest: KV tokens each KV head reads per decode step, besides sink and recent
     quest_dense_layers: int = 2  # Quest: the first layers stay dense
     quest_page_select: bool = True  # Quest: decode steps keep each KV head's top 16-token pages, not blocks
-    # Quest: the bound's top quest_rerank x budget pages (blocks) are ranked again by their keys' exact largest score
-    # (1: the bound alone, as the paper; 2 lost 4.3 RULER points at Qwen 32K where the bound lost 6, 0.6-1.4 on SmolLM2)
+    # Quest with quest_key_copy="none": the bound's top quest_rerank x budget pages (blocks) are ranked again by their
+    # keys' exact largest score (1: the bound alone, as the paper; 2 lost 4.3 RULER points at Qwen 32K where the bound
+    # lost 6, 0.6-1.4 on SmolLM2); a key copy scores every page exactly and has nothing to rerank
     quest_rerank: int = 2
     # Quest: how the rerank ranks its candidates: "max", a page's largest q . k over the group's query heads; "mass",
     # each query head's softmax mass on the page among the candidates, sink and recent pages, the group's maximum

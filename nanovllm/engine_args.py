@@ -25,8 +25,9 @@ _HELP = {
     "quest_dense_layers": "Quest: the first N layers stay dense",
     "quest_page_select": "Quest: decode steps keep each KV head's top 16-token pages within the budget (plus the "
                          "sink and recent blocks' pages) instead of its top KV blocks (default: on)",
-    "quest_rerank": "Quest: the bound's top N x budget pages are ranked again by their keys' exact largest score, "
-                    "and the budget's best of them kept (default 2; 1: the bound alone, as the Quest paper)",
+    "quest_rerank": "Quest with --quest-key-copy none: the bound's top N x budget pages are ranked again by their "
+                    "keys' exact largest score, and the budget's best of them kept (default 2; 1: the bound alone, "
+                    "as the Quest paper)",
     "quest_rerank_score": "Quest: the rerank's ranking: max (a page's largest q.k over the KV head's query heads) or "
                           "mass (each query head's softmax mass on the page among the candidates, sink and recent "
                           "pages; the heads' maximum)",
