@@ -182,7 +182,7 @@ class QuestSelector(BlockSelector):
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         block_size = self.metadata.block_size
         if self.exact:  # on CUDA the kernel reads the copy in place; the reference dequantizes it and multiplies
-            _, _, num_kv_heads, head_dim = self.metadata.codes.shape
+            num_kv_heads, head_dim = self.metadata.keys.shape[-2:]  # the codes' width is head_dim * bits / 8
             return max_blocks * block_size * num_kv_heads * (4 if self.metadata.codes.is_cuda else head_dim * 4 + 64)
         _, _, num_kv_heads, head_dim = self.metadata.min.shape
         # rerank: the candidates' keys gathered (twice with host blocks) and in float32, their scores; "mass" also
