@@ -94,22 +94,30 @@ print("ok")
 
 def test_ordered_top_kernel_compiles_for_sm90_without_a_gpu():
     """The interpreter accepts code the compiler rejects (a plain global in a jit function, once): the top
-    kernel's variants (page rows, block rows, rows read in chunks) compiled for
-    sm_90 through Triton's own ptxas, no GPU needed."""
+    kernel's variants (page rows, block rows, rows read in chunks, a two-stage top's candidates) and the first
+    stage's segment kernel compiled for sm_90 through Triton's own ptxas, no GPU needed."""
     pytest.importorskip("triton")
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nanovllm.kernels.triton_quest import _ordered_top_kernel as kernel
-sig = {name: "i32" for name in kernel.arg_names[3:9]}
+from nanovllm.kernels.triton_quest import _ordered_top_kernel as kernel, _segment_top_kernel as segment
+target = GPUTarget("cuda", 90, 32)
+sig = {name: "i32" for name in kernel.arg_names[4:10]}
 sig.update(scores_ptr="*fp32", ends_ptr="*i64", out_ptr="*i64")
-sig.update({name: "constexpr" for name in kernel.arg_names[9:]})
-for chunk, in_registers in [(8192, True), (512, True), (16384, False)]:
-    consts = dict(SINK=16, RECENT=16, FIXED_PAD=16, CHUNK=chunk, IN_REGISTERS=in_registers)
-    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 16})
+sig.update({name: "constexpr" for name in kernel.arg_names[10:]})
+for chunk, in_registers, candidates in [(8192, True, False), (512, True, False), (16384, False, False),
+                                        (1024, True, True)]:
+    consts = dict(SINK=16, RECENT=16, FIXED_PAD=16, CHUNK=chunk, IN_REGISTERS=in_registers, CANDIDATES=candidates)
+    compiled = triton.compile(ASTSource(kernel, dict(sig, cols_ptr="*i64" if candidates else "*fp32"), consts),
+                              target=target, options={"num_warps": 16})
     assert compiled.asm["cubin"]
+sig = {name: "i32" for name in segment.arg_names[4:10]}
+sig.update(scores_ptr="*fp32", ends_ptr="*i64", cand_scores_ptr="*fp32", cand_cols_ptr="*i64")
+sig.update({name: "constexpr" for name in segment.arg_names[10:]})
+compiled = triton.compile(ASTSource(segment, sig, dict(SINK=16, RECENT=16, SEGMENT=1024)), target=target,
+                          options={"num_warps": 4})
+assert compiled.asm["cubin"]
 print("ok")
 """
     assert_runs_compiled(code, timeout=300)
@@ -207,25 +215,68 @@ def test_ordered_top_columns_with_ties_keep_a_top_set_in_order():
             assert got[b, h, sink + budget:].tolist() == list(range(end - recent, end))
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("sink, budget, recent", [(16, 128, 16), (1, 100, 1), (16, 500, 16)])
+def test_two_stage_top_equals_the_one_stage_kernel(ties, sink, budget, recent):
+    """A long row's top in two stages (each 1,024-column segment's top, then the row's among those candidates)
+    keeps the one-stage kernel's columns: rows ending in any segment, rows whose middle holds fewer candidates
+    than the budget, tied scores (the first columns kept in both), a segment wider than 1,024 at budget 500."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import ordered_top_columns, top_segment
+    from nanovllm.layers.sparse_policies import quest_top_reference
+
+    g = torch.Generator().manual_seed(budget + ties)
+    width = 4 * top_segment(1 << 20, budget) + 300
+    scores = torch.randint(-4, 4, (3, 2, width), generator=g).float() if ties else torch.randn(3, 2, width, generator=g)
+    ends = torch.tensor([width, width // 2 + 7, budget // 2])
+    for b, end in enumerate(ends.tolist()):
+        scores[b, :, end:] = float("-inf")
+    scores, ends = scores.to(DEVICE), ends.to(DEVICE)
+    two = ordered_top_columns(scores, ends, sink, budget, recent, stages=2)
+    assert torch.equal(two, ordered_top_columns(scores, ends, sink, budget, recent, stages=1))
+    if not ties:
+        assert torch.equal(two.cpu(), quest_top_reference(scores.cpu(), ends.cpu(), sink, budget, recent))
+
+
+def test_two_stage_top_chosen_for_few_long_rows_and_refused_for_short_ones():
+    from nanovllm.kernels.triton_quest import TWO_STAGE_MAX_ROWS, top_segment
+
+    assert top_segment(8192, 128) == 1024 and top_segment(8192, 256) == 2048
+    assert top_segment(4095, 128) is None and top_segment(8192, 0) is None and top_segment(8192, 512) is None
+    assert TWO_STAGE_MAX_ROWS >= 8  # batch 1 of an 8-KV-head model
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_quest import ordered_top_columns
+
+    with pytest.raises(ValueError, match="two-stage top needs rows of at least 4096 columns"):
+        ordered_top_columns(torch.zeros(1, 1, 2000, device=DEVICE), torch.tensor([2000], device=DEVICE), 1, 64, 1,
+                            stages=2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the selector takes the kernel only for CUDA scores")
-def test_selector_narrows_through_one_compiled_top_kernel_variant():
-    """QuestSelector.narrow on CUDA (the ordered top kernel, one chunk for every row up to max_model_len)
-    keeps the columns of top-k + sort; after warm_up() rows of other widths compile nothing new."""
+@pytest.mark.parametrize("blocks, lengths", [(40, ([9 * 64 + 5, 30 * 64], [40 * 64 - 3])),
+                                             (1040, ([300 * 64, 1040 * 64 - 3], [1030 * 64]))],
+                         ids=["short-rows", "two-stage-rows"])
+def test_selector_narrows_through_compiled_top_kernel_variants(blocks, lengths):
+    """QuestSelector.narrow on CUDA (the ordered top kernel, one chunk for every row up to max_model_len; rows of
+    4,096+ columns in two stages) keeps the columns of top-k + sort; after warm_up() rows of other widths
+    compile nothing new."""
     from nanovllm.kernels.compile_watch import WATCH
 
     g = torch.Generator().manual_seed(3)
-    num_kv_heads, group, dim, bs, num_blocks = 2, 4, 64, 64, 80
+    num_kv_heads, group, dim, bs = 2, 4, 64, 64
+    num_blocks = 2 * blocks + 10
     cache = PagedKVCache(1, num_blocks, bs, num_kv_heads, dim, torch.bfloat16, DEVICE)
     bounds = BlockKeyBounds(1, num_blocks, 0, bs, num_kv_heads, dim, DEVICE, page_size=16, dtype=torch.bfloat16)
     cache.hooks.append(bounds)
-    selector = QuestSelector(bounds, 512, 0, 0, page_select=True, max_model_len=40 * bs)
-    assert selector._max_columns(bs) == 160 and selector._top_chunk(bs) == 256
+    selector = QuestSelector(bounds, 512, 0, 0, page_select=True, max_model_len=blocks * bs)
+    assert selector._max_columns(bs) == 4 * blocks
     WATCH.install()
     selector.warm_up(num_kv_heads, DEVICE)
-    top_variants = lambda: [e for e in WATCH.events if e.kernel == "_ordered_top_kernel"]  # noqa: E731
+    kernels = ("_ordered_top_kernel", "_segment_top_kernel")
+    top_variants = lambda: [e for e in WATCH.events if e.kernel in kernels]  # noqa: E731
     compiled = len(top_variants())
     free = torch.randperm(num_blocks, generator=g).tolist()
-    for seq_lens in ([9 * bs + 5, 30 * bs], [40 * bs - 3]):  # 120 and 160 columns: rows narrower than the chunk
+    for seq_lens in lengths:
         tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
         for table, n in zip(tables, seq_lens):
             keys = torch.randn(n, num_kv_heads, dim, generator=g).to(DEVICE, torch.bfloat16)

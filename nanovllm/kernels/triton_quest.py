@@ -109,16 +109,28 @@ def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host
 
 
 MAX_ROW_IN_REGISTERS = 16384  # columns a program holds at once; longer rows are read in chunks per pass
+SEGMENT_MIN = 1024  # columns per program of a two-stage top's first stage (at least 8 budgets)
+TWO_STAGE_MAX_ROWS = 64  # rows (sequences x KV heads) up to which a long row's top runs in two stages
+
+
+@triton.jit
+def _load_scores(scores_ptr, cols, lo, hi):
+    return tl.load(scores_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
+
+
+@triton.jit
+def _order_keys_of(x):
+    """uint32 keys ordered as the float32 scores x; 0 (below every score's key) for -inf: not a candidate."""
+    bits = x.to(tl.int32, bitcast=True)
+    as_unsigned = x.to(tl.uint32, bitcast=True)
+    key = tl.where(bits >= 0, as_unsigned | 2147483648, as_unsigned ^ 4294967295)
+    return tl.where(x == float("-inf"), 0, key)
 
 
 @triton.jit
 def _order_keys(scores_ptr, cols, lo, hi):
-    """Keys in [0, 2**32) (int64) ordered as the float32 scores at cols; 0 (below every score's key)
-    outside [lo, hi) and for -inf: not a candidate."""
-    x = tl.load(scores_ptr + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
-    return tl.where(x == float("-inf"), 0, key)
+    """The order keys of the scores at cols; 0 outside [lo, hi)."""
+    return _order_keys_of(_load_scores(scores_ptr, cols, lo, hi))
 
 
 @triton.jit
@@ -138,30 +150,13 @@ def _digit_histogram(scores_ptr, keys, lo, hi, prefix, prefix_mask, shift, stop,
     return counts
 
 
-@triton.jit(do_not_specialize=["num_columns", "budget", "stride_sb", "stride_sh", "stride_ob", "stride_oh"])
-def _ordered_top_kernel(
-    scores_ptr, ends_ptr, out_ptr, num_columns, budget, stride_sb, stride_sh, stride_ob, stride_oh,
-    SINK: tl.constexpr, RECENT: tl.constexpr, FIXED_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    IN_REGISTERS: tl.constexpr,
-):
-    """One (sequence, KV head) row: the sink's columns, the budget's top columns of the middle in column
-    order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once; else the row is read
-    in chunks up to its last candidate (a row shorter than the table's width costs its own length)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    end = tl.load(ends_ptr + b).to(tl.int32)
-    row = scores_ptr + b.to(tl.int64) * stride_sb + h * stride_sh
-    out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
-    lo = SINK
-    hi = end - RECENT
-    offs = tl.arange(0, CHUNK)
+@triton.jit
+def _radix_threshold(row, keys, lo, hi, budget, stop, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """(t, need): the budget-th largest key t of the row's candidates, one 8-bit digit at a time from the top
+    (radix select), and how many columns whose key equals t to keep. Too few candidates: t = 1, every one kept."""
     bins = tl.arange(0, 256)
-    stop = tl.minimum(hi, num_columns)  # columns past the last candidate hold none
-    keys = _order_keys(row, offs, lo, hi)  # the row when IN_REGISTERS, else its first chunk (unused)
-    # the budget-th largest key t, one 8-bit digit at a time from the top (radix select); `need` ends as
-    # the number of columns equal to t to keep. Too few candidates: t = 1, every candidate kept.
-    t = tl.full([], 0, tl.int64)
-    prefix_mask = tl.full([], 0, tl.int64)
+    t = tl.full([], 0, tl.uint32)
+    prefix_mask = tl.full([], 0, tl.uint32)
     need = budget
     counts = _digit_histogram(row, keys, lo, hi, t, prefix_mask, 24, stop, CHUNK, IN_REGISTERS)
     if tl.sum(counts, 0) > budget:
@@ -172,23 +167,95 @@ def _ordered_top_kernel(
             at_least = tl.cumsum(counts, 0, reverse=True)  # candidates with this digit or a higher one
             digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
             need -= tl.sum(tl.where(bins > digit, counts, 0), 0)
-            t += digit.to(tl.int64) << shift
-            prefix_mask += tl.full([], 255, tl.int64) << shift
+            t += digit.to(tl.uint32) << shift
+            prefix_mask += tl.full([], 255, tl.uint32) << shift
     else:
-        t = tl.full([], 1, tl.int64)
+        t = tl.full([], 1, tl.uint32)
+    return t, need
+
+
+@triton.jit
+def _kept(keys, t, need, equal_seen):
+    """Which columns of a pass to keep (above t, or equal to it among the first `need` so far) and how many
+    equal to t it held."""
+    equal = keys == t
+    take = (keys > t) | (equal & (equal_seen + tl.cumsum(equal.to(tl.int32), 0) <= need))
+    return take, tl.sum(equal.to(tl.int32), 0)
+
+
+@triton.jit(do_not_specialize=["num_columns", "budget", "stride_sb", "stride_sh", "stride_cb", "stride_ch"])
+def _segment_top_kernel(
+    scores_ptr, ends_ptr, cand_scores_ptr, cand_cols_ptr, num_columns, budget, stride_sb, stride_sh, stride_cb,
+    stride_ch, SINK: tl.constexpr, RECENT: tl.constexpr, SEGMENT: tl.constexpr,
+):
+    """A two-stage top's first stage, one program per (sequence, KV head, segment of SEGMENT columns): the
+    segment's top `budget` middle columns, scores and columns in column order (then -inf and -1), at
+    [s * budget, (s + 1) * budget) of the row's candidates. A column of the row's top is in its segment's
+    top, and the first of tied ones too, so the second stage over the candidates finds the row's top."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    end = tl.load(ends_ptr + b).to(tl.int32)
+    row = scores_ptr + b.to(tl.int64) * stride_sb + h * stride_sh
+    lo = SINK
+    hi = tl.minimum(end - RECENT, num_columns)
+    offs = tl.arange(0, SEGMENT)
+    cols = s * SEGMENT + offs
+    x = _load_scores(row, cols, lo, hi)
+    keys = _order_keys_of(x)
+    t, need = _radix_threshold(row, keys, lo, hi, budget, 0, SEGMENT, True)
+    take, _ = _kept(keys, t, need, 0)
+    slot = tl.cumsum(take.to(tl.int32), 0) - 1
+    written = tl.sum(take.to(tl.int32), 0)
+    out = b.to(tl.int64) * stride_cb + h * stride_ch + s * budget
+    tl.store(cand_scores_ptr + out + slot, x, mask=take)
+    tl.store(cand_cols_ptr + out + slot, cols.to(tl.int64), mask=take)
+    pad = (offs >= written) & (offs < budget)
+    tl.store(cand_scores_ptr + out + offs, tl.full([SEGMENT], float("-inf"), tl.float32), mask=pad)
+    tl.store(cand_cols_ptr + out + offs, tl.full([SEGMENT], -1, tl.int64), mask=pad)
+
+
+@triton.jit(do_not_specialize=["num_columns", "budget", "stride_sb", "stride_sh", "stride_ob", "stride_oh"])
+def _ordered_top_kernel(
+    scores_ptr, cols_ptr, ends_ptr, out_ptr, num_columns, budget, stride_sb, stride_sh, stride_ob, stride_oh,
+    SINK: tl.constexpr, RECENT: tl.constexpr, FIXED_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    IN_REGISTERS: tl.constexpr, CANDIDATES: tl.constexpr,
+):
+    """One (sequence, KV head) row: the sink's columns, the budget's top columns of the middle in column
+    order, the recent columns; -1 for none. IN_REGISTERS: CHUNK covers the row, read once; else the row is read
+    in chunks up to its last candidate (a row shorter than the table's width costs its own length).
+    CANDIDATES: a two-stage top's second stage, the row is the first stage's candidates (every entry a middle
+    one, its column at cols_ptr, same strides)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    end = tl.load(ends_ptr + b).to(tl.int32)
+    row = scores_ptr + b.to(tl.int64) * stride_sb + h * stride_sh
+    out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
+    if CANDIDATES:
+        lo = 0
+        hi = num_columns
+    else:
+        lo = SINK
+        hi = end - RECENT
+    offs = tl.arange(0, CHUNK)
+    stop = tl.minimum(hi, num_columns)  # columns past the last candidate hold none
+    keys = _order_keys(row, offs, lo, hi)  # the row when IN_REGISTERS, else its first chunk (unused)
+    t, need = _radix_threshold(row, keys, lo, hi, budget, stop, CHUNK, IN_REGISTERS)
     written = 0
     equal_seen = 0
     for start in range(0, stop, CHUNK):  # ordered compaction of the kept columns
         cols = start + offs
         if not IN_REGISTERS:
             keys = _order_keys(row, cols, lo, hi)
-        equal = keys == t
-        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0)
-        take = (keys > t) | (equal & (equal_rank <= need))
+        take, equal = _kept(keys, t, need, equal_seen)
         slot = written + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(out + SINK + slot, cols.to(tl.int64), mask=take)
+        if CANDIDATES:
+            kept = tl.load(cols_ptr + b.to(tl.int64) * stride_sb + h * stride_sh + cols, mask=take, other=-1)
+        else:
+            kept = cols.to(tl.int64)
+        tl.store(out + SINK + slot, kept, mask=take)
         written += tl.sum(take.to(tl.int32), 0)
-        equal_seen += tl.sum(equal.to(tl.int32), 0)
+        equal_seen += equal
     for start in range(0, budget, CHUNK):
         slot = start + offs
         tl.store(out + SINK + slot, tl.full([CHUNK], -1, tl.int64), mask=(slot >= written) & (slot < budget))
@@ -204,8 +271,16 @@ def ordered_top_chunk(max_columns: int) -> int:
     return min(triton.next_power_of_2(max(max_columns, 256)), MAX_ROW_IN_REGISTERS)
 
 
+def top_segment(num_columns: int, budget: int) -> int | None:
+    """Columns per first-stage program of a two-stage top over rows num_columns wide (at least 8 budgets,
+    at least 4 segments a row); None: too short a row for two stages."""
+    segment = max(SEGMENT_MIN, triton.next_power_of_2(8 * max(budget, 1)))
+    return segment if budget > 0 and num_columns >= 4 * segment and segment <= MAX_ROW_IN_REGISTERS else None
+
+
 def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int,
-                        chunk: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                        chunk: int | None = None, num_warps: int | None = None, stages: int | None = None,
+                        max_columns: int | None = None) -> torch.Tensor:
     """Quest's kept columns as positions [B, Hk, sink + budget + recent] (int64, -1 for none) from page or
     block scores [B, Hk, C] float32 (-inf: no keys) and each row's column count ends [B]: the sink's
     columns, the top `budget` columns of the middle [sink, end - recent) in column order, the recent
@@ -214,16 +289,44 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     then compacts the columns at or above it in order: no top-k, no sort. `quest_top_reference` defines the
     result (ties at the threshold: the first columns). chunk: columns per pass (default: the row's
     `ordered_top_chunk`, a variant per power of two; a fixed one serves every narrower row). num_warps: default
-    a warp per 512 columns of a chunk, 4 to 16 (`bench/tune_quest.py --top-only` sweeps it)."""
+    a warp per 512 columns of a chunk, 4 to 16 (`bench/tune_quest.py --top-only` sweeps it).
+    stages: 2 splits long rows in segments first (`top_segment`), each segment's top by its own program, then
+    the row's top among those candidates: a few rows (batch 1) keep more SMs busy; default 2 where
+    `top_segment` allows and the rows are at most TWO_STAGE_MAX_ROWS, else 1. max_columns: the widest row the
+    caller passes (default this call's): the default chunks follow from it, one variant for narrower rows too."""
     batch, heads, num_columns = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("scores must be float32 with contiguous rows")
-    chunk = chunk or ordered_top_chunk(num_columns)
+    segment = top_segment(num_columns, budget)
+    if stages is None:
+        stages = 2 if segment and batch * heads <= TWO_STAGE_MAX_ROWS else 1
+    if stages == 2 and segment is None:
+        raise ValueError(f"a two-stage top needs rows of at least {4 * SEGMENT_MIN} columns and 8 budgets' worth "
+                         f"a segment; got {num_columns} columns, budget {budget}")
+    if stages == 2:
+        segments = triton.cdiv(num_columns, segment)
+        cand_scores = torch.empty(batch, heads, segments * budget, dtype=torch.float32, device=scores.device)
+        cand_cols = torch.empty(batch, heads, segments * budget, dtype=torch.int64, device=scores.device)
+        _segment_top_kernel[(batch, heads, segments)](
+            scores, ends, cand_scores, cand_cols, num_columns, budget, scores.stride(0), scores.stride(1),
+            cand_scores.stride(0), cand_scores.stride(1), SINK=sink, RECENT=recent, SEGMENT=segment,
+            num_warps=max(4, min(16, segment // 512)),
+        )
+        widest = triton.cdiv(max(max_columns or 0, num_columns), segment) * budget
+        return _ordered_top(cand_scores, cand_cols, ends, sink, budget, recent, ordered_top_chunk(widest), num_warps)
+    chunk = chunk or ordered_top_chunk(max(max_columns or 0, num_columns))
+    return _ordered_top(scores, None, ends, sink, budget, recent, chunk, num_warps)
+
+
+def _ordered_top(scores: torch.Tensor, cols: torch.Tensor | None, ends: torch.Tensor, sink: int, budget: int,
+                 recent: int, chunk: int, num_warps: int | None) -> torch.Tensor:
+    batch, heads, num_columns = scores.shape
     out = torch.empty(batch, heads, sink + budget + recent, dtype=torch.int64, device=scores.device)
     _ordered_top_kernel[(batch, heads)](
-        scores, ends, out, num_columns, budget, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        SINK=sink, RECENT=recent, FIXED_PAD=triton.next_power_of_2(max(sink, recent, 1)), CHUNK=chunk,
-        IN_REGISTERS=chunk >= num_columns, num_warps=num_warps or max(4, min(16, chunk // 512)),
+        scores, scores if cols is None else cols, ends, out, num_columns, budget, scores.stride(0), scores.stride(1),
+        out.stride(0), out.stride(1), SINK=sink, RECENT=recent, FIXED_PAD=triton.next_power_of_2(max(sink, recent, 1)),
+        CHUNK=chunk, IN_REGISTERS=chunk >= num_columns, CANDIDATES=cols is not None,
+        num_warps=num_warps or max(4, min(16, chunk // 512)),
     )
     return out
 

@@ -213,7 +213,7 @@ class QuestSelector(BlockSelector):
         ends = layout.at(page_size).num_blocks  # [B] each row's columns (counted once per step, not per layer)
         budget = min(self._budget(layout.block_size), max(0, scores.shape[-1] - sink - recent))
         wide = min(self.rerank * budget, max(0, scores.shape[-1] - sink - recent))
-        kept = self._top(scores, ends, sink, wide, recent, self._top_chunk(layout.block_size))
+        kept = self._top(scores, ends, sink, wide, recent, self._max_columns(layout.block_size))
         if wide == budget:
             return kept
         candidates = kept[..., sink : sink + wide]  # ascending, -1 for none
@@ -225,16 +225,18 @@ class QuestSelector(BlockSelector):
             exact = self._mass_scores(layer, q, layout, candidates, fixed, page_size, key_reads)
         else:
             exact = self.candidate_scores(layer, q, layout, candidates, page_size, key_reads)
-        chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, self._rerank_chunk(layout.block_size))
+        most = self.rerank * self._budget(layout.block_size)
+        chosen = self._top(exact, torch.full_like(ends, wide), 0, budget, 0, most)
         best = candidates.gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, -1)
         return torch.cat([kept[..., :sink], best, kept[..., sink + wide :]], -1)
 
     def _top(self, scores: torch.Tensor, ends: torch.Tensor, sink: int, budget: int, recent: int,
-             chunk: int | None) -> torch.Tensor:
+             max_columns: int | None) -> torch.Tensor:
+        """max_columns: the widest row of this call site (fixes the kernel variants; warm_up compiles them)."""
         if self.ordered_top and scores.is_cuda:
             from nanovllm.kernels.triton_quest import ordered_top_columns
 
-            return ordered_top_columns(scores, ends, sink, budget, recent, chunk)
+            return ordered_top_columns(scores, ends, sink, budget, recent, max_columns=max_columns)
         return quest_top_reference(scores, ends, sink, budget, recent)
 
     def _mass_scores(self, layer: int, q: torch.Tensor, layout: DecodeLayout, candidates: torch.Tensor,
@@ -289,44 +291,33 @@ class QuestSelector(BlockSelector):
             return (scores * q.shape[-1] ** -0.5).logsumexp(3).transpose(2, 3)  # [B, Hk, group, N]
         return scores.amax((3, 4))
 
-    def _rerank_chunk(self, block_size: int) -> int:
-        """The top kernel's columns per pass over candidates: one variant for every row (warm_up compiles it)."""
-        from nanovllm.kernels.triton_quest import ordered_top_chunk
-
-        return ordered_top_chunk(self.rerank * self._budget(block_size))
-
     def _max_columns(self, block_size: int) -> int | None:
         """Columns of decode_page_size tokens in the longest sequence's blocks (None: no longest known)."""
         if self.max_model_len is None:
             return None
         return -(-self.max_model_len // block_size) * (block_size // self.decode_page_size(block_size))
 
-    def _top_chunk(self, block_size: int) -> int | None:
-        from nanovllm.kernels.triton_quest import ordered_top_chunk
-
-        columns = self._max_columns(block_size)
-        return None if columns is None else ordered_top_chunk(columns)
-
     def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
         """Compiles the ordered top kernel's variants of this engine (rows within the register chunk and, for
-        sequences longer than it, rows read in chunks) so that no request waits for them."""
+        sequences longer than it, rows read in chunks; long rows' two stages) so that no request waits for them."""
         block_size = self.metadata.block_size
         columns = self._max_columns(block_size)
         if not (self.ordered_top and device.type == "cuda" and columns):
             return
-        from nanovllm.kernels.triton_quest import MAX_ROW_IN_REGISTERS, ordered_top_columns
+        from nanovllm.kernels.triton_quest import MAX_ROW_IN_REGISTERS, ordered_top_columns, top_segment
 
-        chunk, per_block = self._top_chunk(block_size), block_size // self.decode_page_size(block_size)
+        per_block = block_size // self.decode_page_size(block_size)
         sink, recent = self.sink_blocks * per_block, self.recent_blocks * per_block
         for width in sorted({min(columns, MAX_ROW_IN_REGISTERS), columns}):
             scores = torch.zeros(1, num_kv_heads, width, dtype=torch.float32, device=device)
             ends = torch.full((1,), width, dtype=torch.int64, device=device)
             budget = max(0, min(self._budget(block_size), width - sink - recent))
             wide = min(self.rerank * budget, width - sink - recent)
-            ordered_top_columns(scores, ends, sink, wide, recent, chunk)
+            for stages in (1, 2) if top_segment(width, wide) else (1,):  # both: which one runs depends on the batch
+                ordered_top_columns(scores, ends, sink, wide, recent, max_columns=columns, stages=stages)
             if wide > budget:  # the candidates' second ranking: no sink, no recent columns
                 ordered_top_columns(scores[..., :wide].contiguous(), torch.full_like(ends, wide), 0, budget, 0,
-                                    self._rerank_chunk(block_size))
+                                    max_columns=self.rerank * self._budget(block_size))
 
     def _top_columns(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                      key_reads: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
