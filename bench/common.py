@@ -67,6 +67,27 @@ def cuda_ms(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def graph_ms(fn, repeats: int = 20) -> float:
+    """Mean GPU time of fn() in ms, repeats calls captured in one CUDA graph and replayed: kernels shorter than
+    their host launch (Triton's launcher costs tens of us) are timed as they run inside the engine's decode
+    graphs, where cuda_ms would time the launches."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (3 * repeats)
+
+
 def timed(fn):
     torch.cuda.synchronize()
     t = time.perf_counter()

@@ -21,7 +21,7 @@
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
         [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--async-peer]
-        [--profile-kernels] [--rerank-peer N [--mass-peer]] [--key-copy-peer [8 4]]
+        [--profile-kernels] [--rerank-peer N [--mass-peer]] [--key-copy-peer [8 4] [--one-stage-top-peer]]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
     PYTHONPATH=. python3 bench/sparse.py --e2e-contexts 131072 [--e2e-threshold 0.2] --skip-prefill --skip-offload \
@@ -42,6 +42,7 @@ from offload import ACTIVATION_GIB, CARD_GIB, measure_h2d_bandwidth, parse_cases
     time_decode
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.kernels import triton_quest
 from nanovllm.layers.attention import get_attention_backend
 from nanovllm.layers.block_selector import DenseSelector
 from nanovllm.layers.kv_access import DeviceKV
@@ -57,11 +58,12 @@ class DecodePeers:
 
     pages: bool = False  # Quest's page selection too
     topk_peer: bool = False  # page selection through top-k + sort instead of the ordered top kernel
-    async_peer: bool = False  # the block selection with async scheduling (the next step launched first)
+    async_peer: bool = False  # the block selection and key copies with async scheduling (next step launched first)
     profile_kernels: bool = False  # each peer's kernels logged
     rerank: int = 1  # > 1: page selection with quest_rerank at this factor too
     mass: bool = False  # and with quest_rerank_score "mass"
     key_copy: tuple[int, ...] = ()  # page selection through a copy of every key at these bits (quest_key_copy) too
+    one_stage_top: bool = False  # the key copies' selection with the ordered top in one stage too (the old kernel)
 
 
 class Peer(NamedTuple):
@@ -77,6 +79,7 @@ class Peer(NamedTuple):
     rerank: int = 1
     score: str = "max"
     key_copy: int = 0
+    one_stage_top: bool = False
 
 
 HOT_SHARE = 0.08  # share of key blocks per KV head that carry its query direction
@@ -170,8 +173,9 @@ def sparse_batch(meta):
 
 
 def prefill_requests(llm: LLM, prompts: list[list[int]], decode_steps: int) -> list[str]:
-    """Run until every request has its first token, then two untimed decode steps; returns the ids."""
-    params = SamplingParams(temperature=0, max_tokens=8 * decode_steps + sum(map(len, prompts)) // 4096 + 16,
+    """Run until every request has its first token, then two untimed decode steps; returns the ids. Tokens for up
+    to 30 peers' decode_steps + 1 steps each."""
+    params = SamplingParams(temperature=0, max_tokens=31 * decode_steps + sum(map(len, prompts)) // 4096 + 48,
                             ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
     started: set[str] = set()
@@ -211,7 +215,13 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
               for b in budgets] if which.rerank > 1 and which.mass else []
     peers += [Peer(f"quest_pages_{b}_int{bits}_keys", b, pages=True, key_copy=bits)
               for bits in copy_selectors or {} for b in budgets]
-    for name, budget, page_select, ordered, launched, rerank, score, key_copy in peers:
+    peers += [Peer(f"quest_pages_{b}_int{bits}_keys_async", b, pages=True, launched=True, key_copy=bits)
+              for bits in copy_selectors or {} for b in budgets] if which.async_peer else []
+    peers += [Peer(f"quest_pages_{b}_int{bits}_keys_one_stage_top", b, pages=True, key_copy=bits, one_stage_top=True)
+              for bits in copy_selectors or {} for b in budgets] if which.one_stage_top else []
+    two_stage_rows = triton_quest.TWO_STAGE_MAX_ROWS
+    for name, budget, page_select, ordered, launched, rerank, score, key_copy, one_stage_top in peers:
+        triton_quest.TWO_STAGE_MAX_ROWS = 0 if one_stage_top else two_stage_rows  # read when graphs are captured
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
             llm.runner.staged_decode = False  # offload: the eager split path, at the PCIe floor
@@ -232,6 +242,7 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
         if which.profile_kernels:
             log(f"  kernels of {name}, {steps} steps:\n" + kernel_table(llm, steps))
     llm.config = replace(llm.config, async_scheduling=False)  # a synchronous step resolves one in flight
+    triton_quest.TWO_STAGE_MAX_ROWS = two_stage_rows
     for name, r in out.items():
         if name != "dense":
             r["speedup_vs_dense"] = out["dense"]["decode_ms"] / r["decode_ms"]
@@ -414,6 +425,8 @@ def main() -> None:
     ap.add_argument("--topk-peer", action="store_true",
                     help="page peers also through top-k + sort instead of the ordered top kernel (kernels/triton_quest.py)")
     ap.add_argument("--async-peer", action="store_true", help="decode peers with async scheduling too")
+    ap.add_argument("--one-stage-top-peer", action="store_true",
+                    help="the key copy peers with the ordered top in one stage too (the kernel before two stages)")
     ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
     ap.add_argument("--rerank-peer", type=int, default=1,
                     help="N > 1: page peers with quest_rerank=N too (candidates ranked by their keys)")
@@ -445,7 +458,8 @@ def main() -> None:
     args = ap.parse_args()
     require_cuda()
     which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer,
-                        args.mass_peer, () if args.key_copy_peer is None else tuple(args.key_copy_peer or [8]))
+                        args.mass_peer, () if args.key_copy_peer is None else tuple(args.key_copy_peer or [8]),
+                        args.one_stage_top_peer)
     results: dict = {}
     if not args.skip_prefill:
         results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride, args.cover) for c in args.contexts]
