@@ -10,7 +10,7 @@ device pool) over its launch options, the candidates' key bytes over the kernel 
 pipeline stages), the copy's bytes over the kernel time.
 
     PYTHONPATH=. python3 bench/tune_quest.py [--contexts 32768 131072] [--batches 1 4 16]
-        [--top-only | --candidates | --key-copy [--key-copy-bits 8 4]]
+        [--top-only | --two-stage | --candidates | --key-copy [--key-copy-bits 8 4]]
         [--top-width 131072]  (--top-width: the score and top kernels also on tables that wide, as in a graph
         sized for that length)
 """
@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--top-only", action="store_true", help="only the ordered top kernel")
+    ap.add_argument("--two-stage", action="store_true",
+                    help="only the two-stage top's segment sizes and warps (triton_quest.SEGMENT_*)")
     ap.add_argument("--candidates", action="store_true", help="only the rerank's candidate kernel")
     ap.add_argument("--key-copy", action="store_true", help="only the key copy's page-score kernel")
     ap.add_argument("--key-copy-bits", nargs="+", type=int, choices=[8, 4], default=[8],
@@ -64,6 +66,10 @@ def main() -> None:
         return
     if args.candidates:
         save_results("tune_quest_candidates", sweep_candidates(args))
+        return
+    if args.two_stage:
+        save_results("tune_quest_two_stage", [sweep_two_stage(batch, context)
+                                              for batch, context in itertools.product(args.batches, args.contexts)])
         return
     results = [time_top(batch, context, args.top_width)
                for batch, context in itertools.product(args.batches, args.contexts)]
@@ -119,6 +125,35 @@ def time_launches(fn, call: tuple, launches: list[dict], default: dict, nbytes: 
         log(f"  {r['launch']}: {r['ms'] * 1e3:.0f} us, {r['hbm_fraction']:.2f} of HBM, "
             f"{first['ms'] / r['ms']:.2f}x the default")
     return rows
+
+
+def sweep_two_stage(batch: int, context: int, budget_tokens: int = 2048) -> dict:
+    """The two-stage top over the first stage's segment (SEGMENT_MIN, SEGMENT_BUDGETS) and warps (SEGMENT_WARPS, and
+    the second stage's), each checked against top-k + sort; the one-stage kernel as the peer (graph replays)."""
+    per_block, columns = BLOCK // PAGE, -(-context // BLOCK) * (BLOCK // PAGE)
+    scores = torch.randn(batch, KV_HEADS, columns, device="cuda")
+    ends = torch.full((batch,), columns, dtype=torch.int64, device="cuda")
+    call = (scores, ends, per_block, budget_tokens // PAGE, per_block)
+    want = quest_top_reference(*call)
+    saved = {name: getattr(triton_quest, name) for name in ("SEGMENT_MIN", "SEGMENT_BUDGETS", "SEGMENT_WARPS")}
+    one = graph_ms(lambda: triton_quest.ordered_top_columns(*call, stages=1))
+    rows = []
+    for least, budgets, warps, second in itertools.product([256, 512, 1024, 2048], [2, 4, 8], [2, 4, 8], [4, 8]):
+        triton_quest.SEGMENT_MIN, triton_quest.SEGMENT_BUDGETS, triton_quest.SEGMENT_WARPS = least, budgets, warps
+        segment = triton_quest.top_segment(columns, budget_tokens // PAGE)
+        if segment is None or any(r["segment"] == segment and r["warps"] == (warps, second) for r in rows):
+            continue
+        assert torch.equal(triton_quest.ordered_top_columns(*call, stages=2, num_warps=second), want)
+        ms = graph_ms(lambda: triton_quest.ordered_top_columns(*call, stages=2, num_warps=second))
+        rows.append(dict(segment=segment, warps=(warps, second), ms=ms))
+    for name, value in saved.items():
+        setattr(triton_quest, name, value)
+    rows.sort(key=lambda r: r["ms"])
+    default = graph_ms(lambda: triton_quest.ordered_top_columns(*call))
+    log(f"two-stage top, {batch} x {context} ({columns} page columns, budget {budget_tokens // PAGE}): one stage "
+        f"{one * 1e3:.1f} us, the default call {default * 1e3:.1f} us; best: " + ", ".join(
+            f"segment {r['segment']} warps {r['warps']} {r['ms'] * 1e3:.1f} us" for r in rows[:5]))
+    return dict(batch=batch, context=context, one_stage_ms=one, default_ms=default, rows=rows)
 
 
 def sweep_scores(args) -> list[dict]:

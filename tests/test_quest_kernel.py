@@ -218,9 +218,9 @@ def test_ordered_top_columns_with_ties_keep_a_top_set_in_order():
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("sink, budget, recent", [(16, 128, 16), (1, 100, 1), (16, 500, 16)])
 def test_two_stage_top_equals_the_one_stage_kernel(ties, sink, budget, recent):
-    """A long row's top in two stages (each 1,024-column segment's top, then the row's among those candidates)
+    """A long row's top in two stages (each 2,048-column segment's top, then the row's among those candidates)
     keeps the one-stage kernel's columns: rows ending in any segment, rows whose middle holds fewer candidates
-    than the budget, tied scores (the first columns kept in both), a segment wider than 1,024 at budget 500."""
+    than the budget, tied scores (the first columns kept in both), a wider segment at budget 500."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns, top_segment
     from nanovllm.layers.sparse_policies import quest_top_reference
@@ -241,24 +241,24 @@ def test_two_stage_top_equals_the_one_stage_kernel(ties, sink, budget, recent):
 def test_two_stage_top_chosen_for_few_long_rows_and_refused_for_short_ones():
     from nanovllm.kernels.triton_quest import TWO_STAGE_MAX_ROWS, top_segment
 
-    assert top_segment(8192, 128) == 1024 and top_segment(8192, 256) == 2048
-    assert top_segment(4095, 128) is None and top_segment(8192, 0) is None and top_segment(8192, 512) is None
+    assert top_segment(8192, 128) == 2048 and top_segment(16384, 512) == 4096
+    assert top_segment(8191, 128) is None and top_segment(8192, 0) is None and top_segment(8192, 512) is None
     assert TWO_STAGE_MAX_ROWS >= 8  # batch 1 of an 8-KV-head model
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns
 
-    with pytest.raises(ValueError, match="two-stage top needs rows of at least 4096 columns"):
+    with pytest.raises(ValueError, match="two-stage top needs rows of at least 8192 columns"):
         ordered_top_columns(torch.zeros(1, 1, 2000, device=DEVICE), torch.tensor([2000], device=DEVICE), 1, 64, 1,
                             stages=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the selector takes the kernel only for CUDA scores")
 @pytest.mark.parametrize("blocks, lengths", [(40, ([9 * 64 + 5, 30 * 64], [40 * 64 - 3])),
-                                             (1040, ([300 * 64, 1040 * 64 - 3], [1030 * 64]))],
+                                             (2080, ([600 * 64, 2080 * 64 - 3], [2060 * 64]))],
                          ids=["short-rows", "two-stage-rows"])
 def test_selector_narrows_through_compiled_top_kernel_variants(blocks, lengths):
     """QuestSelector.narrow on CUDA (the ordered top kernel, one chunk for every row up to max_model_len; rows of
-    4,096+ columns in two stages) keeps the columns of top-k + sort; after warm_up() rows of other widths
+    8,192+ columns in two stages) keeps the columns of top-k + sort; after warm_up() rows of other widths
     compile nothing new."""
     from nanovllm.kernels.compile_watch import WATCH
 

@@ -109,7 +109,13 @@ def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host
 
 
 MAX_ROW_IN_REGISTERS = 16384  # columns a program holds at once; longer rows are read in chunks per pass
-SEGMENT_MIN = 1024  # columns per program of a two-stage top's first stage (at least 8 budgets)
+# a two-stage top's first stage: columns per program, at least SEGMENT_MIN and SEGMENT_BUDGETS budgets, and its
+# warps; the second stage's warps. bench/tune_quest.py --two-stage on the H200 (2026-12-04, budget 128 pages): 1 / 4 /
+# 8 x 128K 16.0-16.8 / 17.0 / 21.4 us, 1 x 1M 33.5 us (one stage 30.9 / 30.9 / 31.0 / 229.6 us)
+SEGMENT_MIN = 2048
+SEGMENT_BUDGETS = 8
+SEGMENT_WARPS = 8
+CANDIDATE_TOP_WARPS = 8
 TWO_STAGE_MAX_ROWS = 64  # rows (sequences x KV heads) up to which a long row's top runs in two stages
 
 
@@ -272,9 +278,9 @@ def ordered_top_chunk(max_columns: int) -> int:
 
 
 def top_segment(num_columns: int, budget: int) -> int | None:
-    """Columns per first-stage program of a two-stage top over rows num_columns wide (at least 8 budgets,
-    at least 4 segments a row); None: too short a row for two stages."""
-    segment = max(SEGMENT_MIN, triton.next_power_of_2(8 * max(budget, 1)))
+    """Columns per first-stage program of a two-stage top over rows num_columns wide (SEGMENT_MIN, at least
+    SEGMENT_BUDGETS budgets; at least 4 segments a row); None: too short a row for two stages."""
+    segment = max(SEGMENT_MIN, triton.next_power_of_2(SEGMENT_BUDGETS * max(budget, 1)))
     return segment if budget > 0 and num_columns >= 4 * segment and segment <= MAX_ROW_IN_REGISTERS else None
 
 
@@ -301,8 +307,8 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
     if stages is None:
         stages = 2 if segment and batch * heads <= TWO_STAGE_MAX_ROWS else 1
     if stages == 2 and segment is None:
-        raise ValueError(f"a two-stage top needs rows of at least {4 * SEGMENT_MIN} columns and 8 budgets' worth "
-                         f"a segment; got {num_columns} columns, budget {budget}")
+        raise ValueError(f"a two-stage top needs rows of at least {4 * SEGMENT_MIN} columns and {SEGMENT_BUDGETS} "
+                         f"budgets' worth a segment; got {num_columns} columns, budget {budget}")
     if stages == 2:
         segments = triton.cdiv(num_columns, segment)
         cand_scores = torch.empty(batch, heads, segments * budget, dtype=torch.float32, device=scores.device)
@@ -310,10 +316,11 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
         _segment_top_kernel[(batch, heads, segments)](
             scores, ends, cand_scores, cand_cols, num_columns, budget, scores.stride(0), scores.stride(1),
             cand_scores.stride(0), cand_scores.stride(1), SINK=sink, RECENT=recent, SEGMENT=segment,
-            num_warps=max(4, min(16, segment // 512)),
+            num_warps=SEGMENT_WARPS,
         )
         widest = triton.cdiv(max(max_columns or 0, num_columns), segment) * budget
-        return _ordered_top(cand_scores, cand_cols, ends, sink, budget, recent, ordered_top_chunk(widest), num_warps)
+        return _ordered_top(cand_scores, cand_cols, ends, sink, budget, recent, ordered_top_chunk(widest),
+                            num_warps or CANDIDATE_TOP_WARPS)
     chunk = chunk or ordered_top_chunk(max(max_columns or 0, num_columns))
     return _ordered_top(scores, None, ends, sink, budget, recent, chunk, num_warps)
 
