@@ -7,6 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton's CPU interpreter, set before any test module (or what it imports) imports Triton: a kernel module
+    # imported without it makes compiled-mode helpers that an interpreted kernel cannot call, whatever the order
+    # of the test files pytest is given
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)

@@ -3,14 +3,8 @@ merge kernel against the PyTorch reference (Triton's CPU interpreter without CUD
 the route's output against the float32 reference on paged caches with NaN past each sequence's end."""
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
 import pytest
+import torch
 
 from nanovllm.kernels.reference import merge_attention_states, paged_attention_reference
 from nanovllm.layers import cudnn_prefill

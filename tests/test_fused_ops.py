@@ -5,14 +5,8 @@ the model shapes of the benchmarks. Inputs are fresh random tensors with a sprea
 """
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
 import pytest
+import torch
 
 from nanovllm.layers.fused_ops import LayerOps, get_layer_ops
 from nanovllm.layers.rotary import RotaryEmbedding

@@ -1,24 +1,18 @@
 """Paged-attention kernels against the float32 reference, on every output element (out and lse).
 
-Without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
-Triton is imported) at small sizes in float32 (and a little float16). On CUDA the same tests run in
+Without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by conftest.py
+before Triton is imported) at small sizes in float32 (and a little float16). On CUDA the same tests run in
 bfloat16/float16/float32 with block size 256 too, plus tests at real sizes (marked cuda).
 Unused cache slots are filled with NaN, so any read past a sequence's end or through a padded
 block-table entry shows up in the comparison.
 """
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
 import random
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from compiled_helpers import assert_runs_compiled
 from nanovllm.kernels.reference import HostKV, merge_attention_states, paged_attention_reference

@@ -2,14 +2,8 @@
 PyTorch reference, on random bounds of device and host blocks (Triton's CPU interpreter without CUDA)."""
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
 import pytest
+import torch
 
 from compiled_helpers import assert_runs_compiled
 from nanovllm.engine.kv_cache import PagedKVCache

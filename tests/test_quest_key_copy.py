@@ -3,14 +3,8 @@ round trip and its life across moves to the host, the page choice against a defi
 scores against the PyTorch reference (Triton's CPU interpreter without CUDA), and the engine end to end."""
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import PagedKVCache

@@ -1,13 +1,8 @@
 """The sampling filters, checked against hand-computed distributions."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused sampler below runs in Triton's interpreter
 
 from nanovllm.layers.sampler import filter_logits, sample
 from nanovllm.sampling_params import SamplingParams

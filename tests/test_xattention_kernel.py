@@ -3,14 +3,8 @@ PyTorch path of XAttentionSelector.granule_mass (their reference), at small size
 the granule masses to float32 tolerance and the selections made from them equal."""
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-
 import pytest
+import torch
 
 from nanovllm.layers.sparse_policies import XAttentionSelector
 
