@@ -65,9 +65,12 @@ for batch, context in [(1, 131072), (4, 131072), (16, 32768)]:
     want = triton_quest.key_copy_scores(*call, pages=True)
     got = imma_scores(*call)
     rel = ((got - want).abs().max() / want.abs().max()).item()
-    agree = (got.topk(128, -1).indices.sort(-1).values == want.topk(128, -1).indices.sort(-1).values).float().mean().item()
+    top = lambda s: s.topk(128, -1).indices.sort(-1).values  # noqa: E731
+    agree = (top(got) == top(want)).float().mean().item()
     t_cur = graph_ms(lambda: triton_quest.key_copy_scores(*call, pages=True))
-    line = f"{batch}x{context}: current {t_cur*1e3:.1f} us ({nbytes/t_cur/1e-3/bw:.2f} HBM, events {cuda_ms(lambda: triton_quest.key_copy_scores(*call, pages=True))*1e3:.1f} us)"
+    t_events = cuda_ms(lambda: triton_quest.key_copy_scores(*call, pages=True))
+    line = (f"{batch}x{context}: current {t_cur*1e3:.1f} us ({nbytes/t_cur/1e-3/bw:.2f} HBM, "
+            f"events {t_events*1e3:.1f} us)")
     best = None
     for blocks in (1, 2, 4):
         for warps in (4, 8):
