@@ -11,6 +11,8 @@ or GPU:
     python bench/quest_reuse.py --model ~/.cache/nanovllm/smollm2-135m \\
         --samples-file .models/smol_ruler_4k8k.json.gz --tasks niah_single_1 niah_multikey_1 --lengths 8192 \\
         --samples 2 --new-tokens 32 --budget 1024 [--windows 1 2 4 8] [--random-weights]
+    python bench/quest_reuse.py --model bench/configs/llama-3.1-8b --random-weights --random-prompts 2 \\
+        --lengths 131072 --dtype bfloat16       # the speed benches' model and prompts (a GPU)
 """
 from __future__ import annotations
 
@@ -55,10 +57,32 @@ def reuse(steps: list[torch.Tensor], window: int) -> tuple[int, int, int, int]:
     return hits, total, held, count
 
 
+def sample_prompts(llm: LLM, args) -> list[tuple[str, list[int]]]:
+    """The first --samples of each task and length in --samples-file, through the model's chat template."""
+    tasks = resolve_tasks(args.tasks)
+    by_cell = defaultdict(list)
+    for s in load_samples(args.samples_file):
+        if s["task"] in tasks and s["length"] in args.lengths:
+            by_cell[(s["task"], s["length"])].append(s)
+    prompter = Prompter(llm.tokenizer, "chat")
+    return [(f"{s['task']} {s['length']} #{s['index']}", prompter.encode(s["prompt"]))
+            for cell in by_cell.values() for s in cell[: args.samples]]
+
+
+def random_prompts(llm: LLM, args) -> list[tuple[str, list[int]]]:
+    """--random-prompts prompts of random tokens, each leaving room for --new-tokens in max_model_len."""
+    g = torch.Generator().manual_seed(0)
+    length, vocab = llm.config.max_model_len - args.new_tokens - 16, llm.config.hf_config["vocab_size"]
+    return [(f"random prompt {i} of {length} tokens", torch.randint(0, vocab, (length,), generator=g).tolist())
+            for i in range(args.random_prompts)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--samples-file", required=True)
+    parser.add_argument("--samples-file", help="RULER samples (nanovllm ruler --save-samples)")
+    parser.add_argument("--random-prompts", type=int, default=0,
+                        help="instead of samples: this many prompts of random tokens, as long as --lengths allows")
     parser.add_argument("--tasks", nargs="+", default=["niah_single_1"], help="RULER task names, or all")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192])
     parser.add_argument("--samples", type=int, default=2, help="per task and length")
@@ -68,24 +92,20 @@ def main() -> None:
     parser.add_argument("--random-weights", action="store_true", help="the model's shape with random weights")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
-    tasks = resolve_tasks(args.tasks)
-    chosen = [s for s in load_samples(args.samples_file) if s["task"] in tasks and s["length"] in args.lengths]
-    by_cell = defaultdict(list)
-    for s in chosen:
-        by_cell[(s["task"], s["length"])].append(s)
-    samples = [s for cell in by_cell.values() for s in cell[: args.samples]]
+    if not (args.samples_file or args.random_prompts):
+        parser.error("give --samples-file or --random-prompts")
     options = {"dtype": args.dtype} if args.dtype else {}
     llm = LLM(args.model, sparse_policy="quest", sparse_min_context=0, quest_token_budget=args.budget,
               enforce_eager=True, max_model_len=max(args.lengths),
               load_format="dummy" if args.random_weights else "auto", **options)
     selector = llm.runner.worker.selector
-    prompter = Prompter(llm.tokenizer, "chat")
+    prompts = sample_prompts(llm, args) if args.samples_file else random_prompts(llm, args)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     totals = {w: [0, 0, 0, 0] for w in args.windows}
     budget_pages = None
-    for s in samples:
+    for name, prompt in prompts:
         kept = record_selections(selector)
-        llm.generate([prompter.encode(s["prompt"])], params, use_tqdm=False)
+        llm.generate([prompt], params, use_tqdm=False)
         del selector.narrow  # the class's method again
         for steps in kept.values():
             budget_pages = steps[0].shape[-1]
@@ -93,7 +113,7 @@ def main() -> None:
                 for i, n in enumerate(reuse(steps, w)):
                     totals[w][i] += n
         hit1 = totals[args.windows[0]]
-        print(f"{s['task']} {s['length']} #{s['index']}: {len(kept)} sparse layers, running hit rate at window "
+        print(f"{name}: {len(kept)} sparse layers, running hit rate at window "
               f"{args.windows[0]} {hit1[0] / max(hit1[1], 1):.3f}", flush=True)
     print(f"| window (steps) | kept pages found in the window | cache size (budgets of {budget_pages} pages) |")
     print("|---|---|---|")
