@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.layers.block_metadata import BlockKeyCopy
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
