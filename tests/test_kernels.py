@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compiled_helpers import assert_runs_compiled
-from nanovllm.kernels.reference import HostKV, merge_attention_states, paged_attention_reference
+from nanovllm.kernels.reference import HostKV, KeyCodes, merge_attention_states, paged_attention_reference
 from nanovllm.engine.kv_cache import store_kv
 from nanovllm.layers.attention import get_attention_backend
 
@@ -228,6 +228,47 @@ def test_decode_reads_host_blocks_in_place(ops, num_splits):
     args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, b.seq_lens, tables, 0.125)
     assert_matches(paged_attention_reference(*args, host_kv=host), want, dtype)
     assert_matches(ops.paged_decode_attention(*args, num_splits=num_splits, block_n=16, host_kv=host), want, dtype)
+
+
+def host_key_codes(host: HostKV) -> HostKV:
+    """The pool with its keys as int8 codes on the device (Quest's key copy) and its own keys NaN: the kernel
+    must read host keys from the codes only."""
+    from nanovllm.layers.block_metadata import quantize_keys
+
+    codes, scales = quantize_keys(host.k.to(DEVICE).float().nan_to_num(0.0), 8)
+    host.k.fill_(float("nan"))
+    return host._replace(key_codes=KeyCodes(codes, scales))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_host_keys_from_their_codes(ops, num_splits):
+    """Host blocks' keys from int8 codes on the device and their values from the host: the reference over the
+    dequantized keys agrees, per-head tables too, and the result stays within the codes' rounding of the
+    bf16-exact answer (device blocks still read their own keys)."""
+    dtype = DTYPES[0]
+    b = make_batch([1] * 4, [1, 70, 33, 300], 2, 4, 64, 16, dtype, seed=11 + num_splits)
+    exact = paged_attention_reference(*b.args(0.125))
+    tables, host = move_blocks_to_host(b, every=2)
+    host = host_key_codes(host)
+    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, b.seq_lens, tables, 0.125)
+    want = paged_attention_reference(*args, host_kv=host)
+    assert not want[0].isnan().any()
+    assert_matches(ops.paged_decode_attention(*args, num_splits=num_splits, block_n=16, host_kv=host), want, dtype)
+    torch.testing.assert_close(want[0].float(), exact[0].float(), atol=3e-2, rtol=0)  # int8 keys: close, not equal
+    assert (want[0].float() - exact[0].float()).abs().max() > 0  # the codes were used
+    per_head = tables[:, None].expand(-1, 2, -1).contiguous()  # every KV head over the same blocks
+    lens = b.seq_lens[:, None].expand(-1, 2).contiguous()
+    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, per_head, 0.125)
+    assert_matches(ops.paged_decode_attention(*args, num_splits=num_splits, block_n=16, host_kv=host), want, dtype)
+    assert_matches(paged_attention_reference(*args, host_kv=host), want, dtype)
+
+
+def test_key_codes_must_match_the_cache_layout(ops):
+    b = make_batch([1], [20], 1, 2, 64, 16, torch.float32)
+    host = HostKV(b.k_cache.clone(), b.v_cache.clone(), 100,
+                  KeyCodes(torch.zeros(2, 16, 1, 32, dtype=torch.int8), torch.zeros(2, 16, 1)))
+    with pytest.raises(ValueError, match="key codes"):
+        ops.paged_decode_attention(*b.args(0.1), host_kv=host)
 
 
 def test_host_caches_must_match_the_device_layout(ops):
@@ -648,3 +689,32 @@ def test_triton_backend_with_per_head_metadata(ops):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(got_history[0], want_history[0], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(got_history[1], want_history[1], atol=2e-5, rtol=2e-5)
+
+
+def test_decode_kernel_with_key_codes_compiles_for_sm90_without_a_gpu():
+    """The interpreter runs fp32 only: the decode kernel reading host keys from int8 codes, compiled for sm_90
+    through Triton's own ptxas with bf16 queries on tensor cores (Llama-3.1-8B's shape: 4 query heads per KV head,
+    16-token pages; SmolLM2's: 3 per KV head, head_dim 64), split and direct."""
+    pytest.importorskip("triton")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.triton_paged_attention import _decode_kernel as kernel
+names = kernel.arg_names
+first_constexpr = names.index("GROUP")
+sig = {name: "i32" for name in names[:first_constexpr]}
+sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*fp32", lse_ptr="*fp32", cu_ptr="*i32",
+           seq_lens_ptr="*i32", tables_ptr="*i64", seq_ids_ptr="*i32", qk_scale="fp32", host_k_delta="i64",
+           host_v_delta="i64", host_base="i64", codes_ptr="*i8", scales_ptr="*fp32")
+sig.update({name: "constexpr" for name in names[first_constexpr:]})
+for group, dim, direct in [(4, 128, False), (4, 128, True), (3, 64, False)]:
+    consts = dict(GROUP=group, GROUP_PAD=16, BLOCK_SIZE=16, HEAD_DIM=dim, BLOCK_N=16, INDEXED=False, DIRECT=direct,
+                  PRECISION="tf32", ACCUMULATE=False, HOST_KV=True, PER_HEAD=True, KEY_CODES=True)
+    out = "*bf16" if direct else "*fp32"
+    compiled = triton.compile(ASTSource(kernel, dict(sig, out_ptr=out), consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    assert compiled.asm["cubin"]
+print("ok")
+"""
+    assert_runs_compiled(code, timeout=300)

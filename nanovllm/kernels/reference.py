@@ -18,13 +18,34 @@ from typing import NamedTuple
 import torch
 
 
+class KeyCodes(NamedTuple):
+    """Keys as int8 codes [blocks, block_size, Hk, D] and float32 scales [blocks, block_size, Hk] in a pool's
+    block layout, k ~ codes * scales (Quest's on-device key copy of the host blocks, BlockKeyCopy)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scales[..., None]
+
+    def head(self, one: slice) -> KeyCodes:
+        return KeyCodes(self.codes[:, :, one], self.scales[:, :, one])
+
+
 class HostKV(NamedTuple):
     """One layer's KV blocks outside the device cache (an offload ring slot, or pinned host memory):
-    block-table entries >= base name block (entry - base) of k/v, which have the cache's block shape."""
+    block-table entries >= base name block (entry - base) of k/v, which have the cache's block shape.
+    key_codes: those blocks' keys read from this on-device copy instead of k (only v then crosses PCIe)."""
 
     k: torch.Tensor
     v: torch.Tensor
     base: int
+    key_codes: KeyCodes | None = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """The host blocks' keys as attention reads them (dequantized codes, on their device, when given)."""
+        return self.k if self.key_codes is None else self.key_codes.dequantized()
 
 
 def paged_attention_reference(
@@ -52,8 +73,9 @@ def paged_attention_reference(
         start, end = starts[i], starts[i + 1]
         if end == start or seq_len == 0:
             continue
-        keys = gather_tokens(k_cache, block_tables[i], seq_len, host_kv and host_kv.k, host_kv and host_kv.base).float()
-        values = gather_tokens(v_cache, block_tables[i], seq_len, host_kv and host_kv.v, host_kv and host_kv.base).float()
+        base = host_kv and host_kv.base
+        keys = gather_tokens(k_cache, block_tables[i], seq_len, host_kv and host_kv.keys, base).float()
+        values = gather_tokens(v_cache, block_tables[i], seq_len, host_kv and host_kv.v, base).float()
         out_i, lse_i = _sequence_attention(q[start:end].float(), keys, values, scale, causal)
         out[start:end] = out_i.to(q.dtype)
         lse[start:end] = lse_i
@@ -66,7 +88,8 @@ def _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tabl
     group = q.shape[1] // k_cache.shape[2]
     for head in range(k_cache.shape[2]):
         rows, one = slice(head * group, (head + 1) * group), slice(head, head + 1)
-        head_host = host_kv and HostKV(host_kv.k[:, :, one], host_kv.v[:, :, one], host_kv.base)
+        head_host = host_kv and HostKV(host_kv.k[:, :, one], host_kv.v[:, :, one], host_kv.base,
+                                       host_kv.key_codes and host_kv.key_codes.head(one))
         out[:, rows], lse[:, rows] = paged_attention_reference(
             q[:, rows], k_cache[:, :, one], v_cache[:, :, one], cu_query_lens, seq_lens[:, head],
             block_tables[:, head], scale, causal, head_host)

@@ -66,14 +66,18 @@ DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is present (interpr
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, seq_len, k_head_ptr, v_head_ptr, table_ptr, tile_lo, tile_hi, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
+    code_head_ptr, scale_head_ptr, stride_cb, stride_ct, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, HOST_KV: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, HOST_KV: tl.constexpr, KEY_CODES: tl.constexpr = False,
 ):
     """Online-softmax update of (acc, m_i, l_i) with KV tiles [tile_lo, tile_hi) of one sequence.
 
     MASKED applies the causal mask (key pos <= q_pos) and the end of the sequence (pos < seq_len);
     unmasked tiles must be fully visible to every row. m_i is in log2 units. HOST_KV: table entries
     >= host_base are blocks of the host pool, host_*_delta elements away from the device caches.
+    KEY_CODES (with HOST_KV): a host block's keys are int8 codes times a scale per token, read from the
+    device (code/scale head pointers, host block (entry - host_base)), and only its values from the host;
+    q . codes runs in q's dtype (the codes are exact in it), scaled in float32.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -89,17 +93,31 @@ def _attend_tiles(
         rows = start % BLOCK_SIZE + offs_n  # rows of this cache block
         k_ptrs = k_head_ptr + k_block + rows[None, :] * stride_kt + offs_d[:, None]  # K^T [D, BLOCK_N]
         v_ptrs = v_head_ptr + v_block + rows[:, None] * stride_vt + offs_d[None, :]  # V [BLOCK_N, D]
-        if MASKED:
-            k_pos = start + offs_n
-            in_seq = k_pos < seq_len
+        k_pos = start + offs_n
+        in_seq = k_pos < seq_len
+        if not MASKED:
+            in_seq = in_seq | True  # unmasked tiles are whole
+        if KEY_CODES:
+            on_host = block >= host_base
+            host_block = tl.where(on_host, block - host_base, 0)
+            c_ptrs = code_head_ptr + host_block * stride_cb + rows[None, :] * stride_ct + offs_d[:, None]
+            codes = tl.load(c_ptrs, mask=in_seq[None, :] & on_host, other=0)
+            scales = tl.load(scale_head_ptr + host_block * stride_sb + rows * stride_st, mask=in_seq & on_host,
+                             other=0.0)
+            k = tl.load(k_ptrs, mask=in_seq[None, :] & (block < host_base), other=0.0)
+            k = tl.where(on_host, codes.to(k.dtype), k)  # codes are exact in 16 bits; the scale goes on q . k
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        elif MASKED:
             k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
-            qk = tl.dot(q, k, input_precision=PRECISION)
-            qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-            qk = tl.dot(q, k, input_precision=PRECISION)
+        qk = tl.dot(q, k, input_precision=PRECISION)
+        if KEY_CODES:
+            qk = qk * tl.where(on_host, scales, 1.0)[None, :]
+        if MASKED:
+            qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION)
     return acc, m_i, l_i
 
@@ -183,10 +201,10 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, cu_ptr, seq_lens_ptr, tables_ptr, seq_ids_ptr, qk_scale,
     num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, host_k_delta, host_v_delta,
-    host_base, stride_bh,
+    host_base, stride_bh, codes_ptr, scales_ptr, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr, PER_HEAD: tl.constexpr,
+    ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr, PER_HEAD: tl.constexpr, KEY_CODES: tl.constexpr,
 ):
     """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
     DIRECT (one split): write the result at the token's row of out/lse (ACCUMULATE: merged by LSE with
@@ -224,18 +242,22 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
+    code_head = codes_ptr + kv_head * stride_ch
+    scale_head = scales_ptr + kv_head * stride_sh
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     if PER_HEAD:
         table += kv_head * stride_bh
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, lo, tl.minimum(hi, full_tiles), qk_scale,
         stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, HOST_KV,
+        code_head, scale_head, stride_cb, stride_ct, stride_sb, stride_st,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, HOST_KV, KEY_CODES,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, tl.maximum(lo, full_tiles), hi, qk_scale,
         stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, HOST_KV,
+        code_head, scale_head, stride_cb, stride_ct, stride_sb, stride_st,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, HOST_KV, KEY_CODES,
     )
     out, lse = _finish(acc, m_i, l_i)
     if DIRECT:
@@ -358,13 +380,13 @@ def _prefill_kernel(
         v_head = v_cache_ptr + kv_head * stride_vh
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, 0, full_tiles, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION,
-            False,
+            stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, k_head, k_head, 0, 0, 0, 0,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, False,
         )
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, full_tiles, all_tiles, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION,
-            False,
+            stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, k_head, k_head, 0, 0, 0, 0,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, False,
         )
     out, lse = _finish(acc, m_i, l_i)
     out_ptrs = out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
@@ -485,10 +507,12 @@ def paged_decode_attention(
         q, k_cache, v_cache, part_out, part_lse, cu_query_lens, seq_lens, block_tables, ids, scale * _LOG2E,
         num_splits, q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        *_cache_strides(k_cache, v_cache), block_tables.stride(0), *host_args, block_tables.stride(1) if per_head else 0,
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0), *host_args,
+        block_tables.stride(1) if per_head else 0, *_key_code_args(host_kv, k_cache),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
-        ACCUMULATE=accumulate, HOST_KV=host_kv is not None, PER_HEAD=per_head, num_warps=num_warps,
+        ACCUMULATE=accumulate, HOST_KV=host_kv is not None, PER_HEAD=per_head,
+        KEY_CODES=host_kv is not None and host_kv.key_codes is not None, num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits > 1:
@@ -525,6 +549,20 @@ def _host_kv_args(host_kv: HostKV | None, k_cache: torch.Tensor, v_cache: torch.
     size = k_cache.element_size()
     return ((host_kv.k.data_ptr() - k_cache.data_ptr()) // size, (host_kv.v.data_ptr() - v_cache.data_ptr()) // size,
             host_kv.base)
+
+
+def _key_code_args(host_kv: HostKV | None, k_cache: torch.Tensor) -> tuple:
+    """(codes, scales and their block, token and head strides) of the host blocks' key codes; unused
+    placeholders without them."""
+    if host_kv is None or host_kv.key_codes is None:
+        return (k_cache, k_cache) + (0,) * 6
+    codes, scales = host_kv.key_codes
+    if codes.dtype != torch.int8 or scales.dtype != torch.float32 or codes.device != k_cache.device \
+            or codes.shape[1:] != k_cache.shape[1:] or scales.shape != codes.shape[:3] or codes.stride(-1) != 1:
+        raise ValueError(f"key codes need int8 codes {tuple(k_cache.shape[1:])} per block with float32 scales, on "
+                         f"the caches' device; got {codes.dtype} {tuple(codes.shape)}, {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    return (codes, scales, *codes.stride()[:3], *scales.stride())
 
 
 def _new_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,7 +102,7 @@ class AttentionBackend(ABC):
         """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D], the step's new K/V already stored
         (KVAccess does that). Returns [T, Hq, D]. host_kv (decode steps):
         block-table entries >= host_kv.base name this layer's blocks in a second pool (an offload ring
-        slot, or pinned host memory read in place)."""
+        slot, or pinned host memory read in place), their keys in host_kv.key_codes when it is set."""
 
     @abstractmethod
     def forward_with_lse(
@@ -183,7 +183,7 @@ class TorchPagedAttention(AttentionBackend):
         if meta.seq_lens_tensor.dim() == 2:  # per-KV-head selection: the float32 reference
             return paged_attention_reference(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
                                              meta.block_tables_tensor, scale, host_kv=host_kv)[0]
-        host_k, host_v, base = host_kv or (None, None, None)
+        host_k, host_v, base = (host_kv.keys, host_kv.v, host_kv.base) if host_kv else (None, None, None)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]
         start = 0
