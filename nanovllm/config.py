@@ -12,6 +12,7 @@ SPARSE_POLICIES = ("full", "xattention", "quest", "xattention+quest")
 XATTN_COVERS = ("group", "head")
 QUEST_RERANK_SCORES = ("max", "mass")
 QUEST_KEY_COPY_BITS = {"int8": 8, "int4": 4}  # quest_key_copy -> bits per code of the copy
+QUEST_HOST_KEYS = ("host", "copy")
 QUEST_KEY_COPIES = ("none", *QUEST_KEY_COPY_BITS)
 _DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -66,6 +67,11 @@ class EngineConfig:
     # memory (0.27x the keys' bytes; 2 points less than int8 on Qwen 32K's hardest tasks). "none": the bound and
     # the rerank, no copy (its device memory goes to the KV pool)
     quest_key_copy: str = "int8"
+    # Quest in offload mode: where a decode step's kept host pages' keys come from. "host": from pinned host memory
+    # with their values (the keys as stored). "copy": from the device's int8 key copy (needs quest_key_copy="int8"),
+    # so only values cross PCIe: half the host bytes, the keys of host pages rounded to 8 bits (decode steps and the
+    # decode rows of mixed steps; device pages and prefill keep their own keys)
+    quest_host_keys: str = "host"
     sparse_min_context: int = 8192  # sequences shorter than this run dense (0: always sparse)
     revision: str | None = None  # a Hub model's branch, tag or commit (default: main)
     download_dir: str | None = None  # the hub cache to download Hub models into (default: huggingface_hub's)
@@ -166,6 +172,11 @@ class EngineConfig:
                              f"got {self.quest_rerank_score!r}")
         if self.quest_key_copy not in QUEST_KEY_COPIES:
             raise ValueError(f"quest_key_copy must be one of {QUEST_KEY_COPIES}, got {self.quest_key_copy!r}")
+        if self.quest_host_keys not in QUEST_HOST_KEYS:
+            raise ValueError(f"quest_host_keys must be one of {QUEST_HOST_KEYS}, got {self.quest_host_keys!r}")
+        if self.quest_host_keys == "copy" and self.quest_key_copy != "int8":
+            raise ValueError(f"quest_host_keys='copy' reads host pages' keys from the int8 key copy: it needs "
+                             f"quest_key_copy='int8', got {self.quest_key_copy!r}")
         if not isinstance(self.quest_page_select, bool):
             raise ValueError(f"quest_page_select must be a bool, got {self.quest_page_select!r}")
         for name in ("xattn_dense_last_blocks", "xattn_local_blocks", "quest_dense_layers", "sparse_min_context"):

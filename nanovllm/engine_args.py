@@ -34,6 +34,8 @@ _HELP = {
     "quest_key_copy": "Quest: int8 (default: an int8 copy of every key on the device, 0.52x the bf16 keys' bytes, "
                       "scores every page exactly: no rerank, no host key read), int4 (the same at 0.27x, a little "
                       "less accurate) or none (the bound, then the rerank; the copy's memory goes to the KV pool)",
+    "quest_host_keys": "Quest in offload mode: host (default: kept host pages' keys cross PCIe with their values) or "
+                       "copy (their keys from the device's int8 key copy: only values cross PCIe, half the bytes)",
     "sparse_min_context": "sequences shorter than this many tokens run dense (0: always sparse)",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
     "max_num_seqs": "most sequences in one step",

@@ -3,6 +3,8 @@ round trip and its life across moves to the host, the page choice against a defi
 scores against the PyTorch reference (Triton's CPU interpreter without CUDA), and the engine end to end."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -308,3 +310,58 @@ def test_the_key_copy_is_a_command_line_flag():
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     assert engine_options(parser.parse_args(["--quest-key-copy", "int8"])) == {"quest_key_copy": "int8"}
+
+
+def narrowed_counts(monkeypatch) -> list[list[int]]:
+    """Every narrowed step's counts per row (columns read, host columns read whole, host columns read half)."""
+    from nanovllm.engine.step_stats import StepWork
+
+    seen, narrowed = [], StepWork.narrowed
+    monkeypatch.setattr(StepWork, "narrowed", lambda self, plan, counts, *a: seen.extend(counts) or
+                        narrowed(self, plan, counts, *a))
+    return seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_keys_from_the_copy_cross_pcie_as_values_alone(tiny_llama, device, monkeypatch):
+    """Offload, pages, a 2-page budget: with quest_host_keys="copy" the kept host pages' keys come from the int8
+    copy, so each one counts half a page's bytes (its values) and none counts whole, where "host" counts them
+    whole (the same pages kept); the eager decode rows of mixed steps read half too; the requests' host bytes
+    are the pool's; the tokens stay those of full keys and the logprobs move by the keys' rounding only (and do
+    move: the codes are read)."""
+    memory = dict(num_gpu_blocks=4, enable_cpu_offload=True, cpu_kv_cache_gb=0.01, dtype="float32", device=device)
+    runs, seen = {}, narrowed_counts(monkeypatch)
+    prompts = [[(7 * i + j) % 250 + 3 for i in range(n)] for j, n in enumerate((300, 260, 330))]
+    for host_keys in ("host", "copy"):
+        llm = quest_llm(tiny_llama, quest_token_budget=32, quest_page_select=True, kvcache_block_size=4 * BS,
+                        quest_host_keys=host_keys, **memory)
+        if device == "cpu":  # what a CUDA worker's limits say; without graphs the narrowed steps run eagerly
+            llm.runner.planner.limits = replace(llm.runner.planner.limits, narrowed_buckets=[1, 2, 4])
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        counts = list(seen)
+        seen.clear()
+        pool = llm.runner.host_pool
+        page_bytes = pool.block_bytes_per_layer // llm.runner.kv_shape[2] // 4
+        assert sum(o.metrics.host_kv_bytes_read for o in outs) == pool.stats.h2d_bytes
+        runs[host_keys] = outs, counts, pool.stats.h2d_bytes, page_bytes
+    (host, host_counts, host_bytes, page_bytes), (copy, copy_counts, copy_bytes, _) = runs["host"], runs["copy"]
+    assert host_counts and all(c[2] == 0 for c in host_counts) and sum(c[1] for c in host_counts) > 0
+    assert copy_counts and all(c[1] == 0 for c in copy_counts) and sum(c[2] for c in copy_counts) > 0
+    assert sum(c[2] for c in copy_counts) == sum(c[1] for c in host_counts)  # the same pages, half the bytes
+    assert copy_bytes < host_bytes - sum(c[1] for c in host_counts) * page_bytes // 2  # eager decode rows too
+    moved = 0.0
+    for c, h in zip(copy, host):
+        assert c.token_ids == h.token_ids
+        for a, b in zip(c.outputs[0].logprobs, h.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            moved = max(moved, max(abs(a[t] - b[t]) for t in a))
+    assert 0 < moved < 2e-2
+
+
+def test_host_keys_from_the_copy_need_an_int8_copy(tiny_llama):
+    with pytest.raises(ValueError, match=r"quest_host_keys='copy' .* needs quest_key_copy='int8', got 'int4'"):
+        quest_llm(tiny_llama, quest_host_keys="copy", quest_key_copy="int4")
+    with pytest.raises(ValueError, match=r"quest_host_keys must be one of \('host', 'copy'\)"):
+        quest_llm(tiny_llama, quest_host_keys="device")
+    llm = quest_llm(tiny_llama, quest_host_keys="copy")  # device-only: no host page to read
+    assert not llm.runner.worker.selector.copied_host_keys

@@ -8,8 +8,10 @@ id, read in place from pinned memory by the decode kernel), the KV lengths and t
 builds per-KV-head tables of a fixed width and counts, in a static buffer, the blocks each row read and
 the host blocks among them (read once after the step). A selector that selects pages (Quest with
 `quest_page_select`) keeps columns of `decode_page_size` tokens: the tables name pages of the pools
-viewed in pages (`page_views`; host pages read in place too) and the counts are in pages. Layers the selector reads whole attend over the
-full tables, their host blocks from the device mirror where the pool keeps one (offload/host_pool.py).
+viewed in pages (`page_views`; host pages read in place too) and the counts are in pages. Layers the selector
+reads whole attend over the full tables, their host blocks from the device mirror where the pool keeps one
+(offload/host_pool.py). A selector with `host_key_codes` has the kept host pages' keys read from its int8 copy
+on the device: their values alone cross PCIe, counted as half a column's bytes.
 Without graphs (on the CPU) the same access runs eagerly, which is how it is tested in CI.
 """
 from __future__ import annotations
@@ -80,7 +82,8 @@ class NarrowedDecode:
             return None, False
         if whole and layer < pool.mirrored_layers:
             return HostKV(pool.mirror[0, layer], pool.mirror[1, layer], RING_BASE), False
-        return HostKV(pool.host[0, layer], pool.host[1, layer], RING_BASE), True
+        codes = None if whole else self.selector.host_key_codes(layer)
+        return HostKV(pool.host[0, layer], pool.host[1, layer], RING_BASE, codes), True
 
 
 class NarrowedDecodeKV(KVAccess):
@@ -109,33 +112,36 @@ class NarrowedDecodeKV(KVAccess):
                 self.counts[:, 1] += columns.on_host.sum(1) * (num_kv_heads * s.columns_per_block)
         else:
             columns = self.layout.at(s.selector.decode_page_size(s.block_size))
-            attend_meta = self._narrowed_meta(columns, kept, RING_BASE if over_pcie else None)
+            host_column = 2 if second is not None and second.key_codes is not None else 1  # values alone: half
+            attend_meta = self._narrowed_meta(columns, kept, RING_BASE if over_pcie else None, host_column)
         k_cache, v_cache, second = page_views(columns.block_size, k_cache, v_cache, second)
         return s.backend.forward(q, k_cache, v_cache, attend_meta, scale, host_kv=second)
 
-    def _narrowed_meta(self, columns: DecodeLayout, kept: torch.Tensor, host_base: int | None) -> AttentionMetadata:
+    def _narrowed_meta(self, columns: DecodeLayout, kept: torch.Tensor, host_base: int | None,
+                       host_column: int = 1) -> AttentionMetadata:
         """Per-KV-head decode metadata over the kept columns (blocks or pages, as positions), tables of a fixed
-        width; the columns kept (and those read from the host: ids >= host_base) are added to the counts."""
+        width; the columns kept (and those read from the host: ids >= host_base, to counts[:, host_column]) are
+        added to the counts."""
         meta, page_size, width = self.meta, columns.block_size, kept.shape[-1]
-        tables, lengths = tables_and_counts(columns, kept, self.counts, host_base)
+        tables, lengths = tables_and_counts(columns, kept, self.counts, host_base, host_column)
         return AttentionMetadata(
             query_lens=meta.query_lens, seq_lens=[width * page_size] * meta.num_seqs, block_tables=[],
             slot_mapping=meta.slot_mapping, cu_query_lens=meta.cu_query_lens,
             seq_lens_tensor=lengths, block_tables_tensor=tables, block_size=page_size)
 
 
-def tables_and_counts(columns: DecodeLayout, kept: torch.Tensor, counts: torch.Tensor, host_base: int | None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def tables_and_counts(columns: DecodeLayout, kept: torch.Tensor, counts: torch.Tensor, host_base: int | None,
+                      host_column: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """column_tables (lengths as int32) of the kept positions, the kept columns added to counts[:, 0] and,
-    unless host_base is None, those read from the host (ids >= host_base) to counts[:, 1]. On CUDA one
-    Triton kernel (kernels/triton_narrowed.py) instead of a dozen small ones per layer."""
+    unless host_base is None, those read from the host (ids >= host_base) to counts[:, host_column]. On CUDA
+    one Triton kernel (kernels/triton_narrowed.py) instead of a dozen small ones per layer."""
     if kept.is_cuda:
         from nanovllm.kernels.triton_narrowed import narrowed_tables
 
         return narrowed_tables(kept, columns.ids, columns.seq_lens, columns.num_blocks, columns.block_size, counts,
-                               host_base)
+                               host_base, host_column)
     tables, lengths = column_tables(columns, kept, columns.block_size)
     counts[:, 0] += (kept >= 0).sum((1, 2))
     if host_base is not None:  # padding is -1
-        counts[:, 1] += (tables >= host_base).sum((1, 2))
+        counts[:, host_column] += (tables >= host_base).sum((1, 2))
     return tables, lengths.to(torch.int32)

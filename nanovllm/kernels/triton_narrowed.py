@@ -24,7 +24,7 @@ NO_HOST = -1  # host_base when no column is counted as read from the host
 @triton.jit
 def _narrowed_tables_kernel(
     kept_ptr, ids_ptr, seq_lens_ptr, num_columns_ptr, tables_ptr, lengths_ptr, counts_ptr,
-    num_heads, width, column_size, host_base,
+    num_heads, width, column_size, host_base, host_column,
     stride_kb, stride_kh, stride_kw, stride_ib, stride_sb, stride_nb, stride_tb, stride_th, stride_lb, stride_cb,
     HEADS_PAD: tl.constexpr, WIDTH_PAD: tl.constexpr, COUNT_HOST: tl.constexpr,
 ):
@@ -45,16 +45,16 @@ def _narrowed_tables_kernel(
     tl.store(counts, tl.load(counts) + tl.sum(per_head, 0))
     if COUNT_HOST:
         on_host = tl.sum(tl.sum((held & (ids >= host_base)).to(tl.int64), 1), 0)
-        tl.store(counts + 1, tl.load(counts + 1) + on_host)
+        tl.store(counts + host_column, tl.load(counts + host_column) + on_host)
 
 
 def narrowed_tables(kept: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tensor, num_columns: torch.Tensor,
-                    column_size: int, counts: torch.Tensor, host_base: int | None
+                    column_size: int, counts: torch.Tensor, host_base: int | None, host_column: int = 1
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tables [B, Hk, W] int64, lengths [B, Hk] int32) of kept [B, Hk, W] over ids [B, C] int64, with
-    seq_lens and num_columns [B] int64 (any strides, as kept's); counts [B, 2] int64 gets the kept columns
-    added in column 0 and, unless host_base is None, those whose id >= host_base in column 1. Shapes alone
-    fix the launch."""
+    seq_lens and num_columns [B] int64 (any strides, as kept's); counts [B, >= 2] int64 gets the kept columns
+    added in column 0 and, unless host_base is None, those whose id >= host_base in column host_column.
+    Shapes alone fix the launch."""
     batch, heads, width = kept.shape
     for name, t in (("kept", kept), ("ids", ids), ("seq_lens", seq_lens), ("num_columns", num_columns),
                     ("counts", counts)):
@@ -66,7 +66,7 @@ def narrowed_tables(kept: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tenso
     lengths = torch.empty(batch, heads, dtype=torch.int32, device=kept.device)
     _narrowed_tables_kernel[(batch,)](
         kept, ids, seq_lens, num_columns, tables, lengths, counts, heads, width, column_size,
-        NO_HOST if host_base is None else host_base,
+        NO_HOST if host_base is None else host_base, host_column,
         kept.stride(0), kept.stride(1), kept.stride(2), ids.stride(0), seq_lens.stride(0), num_columns.stride(0),
         tables.stride(0), tables.stride(1), lengths.stride(0), counts.stride(0),
         HEADS_PAD=triton.next_power_of_2(heads), WIDTH_PAD=triton.next_power_of_2(width),

@@ -23,6 +23,8 @@ import warnings
 import numpy as np
 import torch
 
+from nanovllm.kernels.reference import KeyCodes
+
 # PyTorch warns on every first use that index_reduce_ is in beta; its amin/amax are what the bounds need.
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 
@@ -219,6 +221,14 @@ class BlockKeyCopy(LazyKeyMetadata):
     def layer_arrays(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scales, host codes, host scales) of a model layer (one at or past first_layer)."""
         return self._layers[layer - self.first_layer]
+
+    def host_key_codes(self, layer: int) -> KeyCodes:
+        """A model layer's host blocks' keys as the copy holds them, in the host pool's block layout (int8 only)."""
+        if self.bits != 8:
+            raise ValueError(f"attention reads keys from an int8 copy only, this one has {self.bits} bits")
+        _, _, codes, scales = self.layer_arrays(layer)
+        return KeyCodes(codes.view(-1, self.block_size, *codes.shape[1:]), scales.view(-1, self.block_size,
+                                                                                          scales.shape[-1]))
 
     def block_keys(self, layer: int, blocks: list[int], on_host: list[bool] | None) -> torch.Tensor:
         """[len(blocks) * block_size, Hk, D] float32 keys of these blocks (ids within their pool) as the copy

@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from nanovllm.engine.step_plan import StepPlan
+    from nanovllm.kernels.reference import KeyCodes
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,11 @@ class BlockSelector(ABC):
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         """Device bytes `narrow` takes per row of max_blocks blocks (what a graph's memory pool keeps)."""
         raise NotImplementedError
+
+    def host_key_codes(self, layer: int) -> KeyCodes | None:
+        """Where a narrowed decode step reads the keys of this layer's kept host blocks: None (from the host,
+        with their values) or their int8 codes on the device (only the values then cross PCIe)."""
+        return None
 
     def narrow(self, layer: int, q: torch.Tensor, num_kv_heads: int, layout: DecodeLayout,
                key_reads: torch.Tensor | None = None) -> torch.Tensor | None:

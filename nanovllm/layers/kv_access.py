@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.reference import HostKV
+from nanovllm.kernels.reference import HostKV, KeyCodes
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, DenseSelector, Selection, SelectionInput,
                                             SparseStats, with_query_blocks)
@@ -138,10 +138,12 @@ class DeviceSelection:
 
 
 def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv_heads: int, batch: SelectionInput,
-                    layout_of: Callable[[SelectionInput], DecodeLayout],
-                    bytes_per_host_pair: int = 0) -> Selection | DeviceSelection | None:
+                    layout_of: Callable[[SelectionInput], DecodeLayout], bytes_per_host_pair: int = 0,
+                    read_per_host_pair: int | None = None) -> Selection | DeviceSelection | None:
     """Decode steps go to the selector's device-side selection where it has one (no host sync per layer);
-    other steps, and selectors without it, to select_blocks. Counts go to batch.stats either way."""
+    other steps, and selectors without it, to select_blocks. Counts go to batch.stats either way: a host
+    (block, KV head) pair a decode step reads in place as read_per_host_pair bytes (default: all of them;
+    half when its keys come from the selector's key codes)."""
     if max(batch.query_lens) == 1:
         layout = layout_of(batch)
         key_bytes = bytes_per_host_pair // (batch.block_size // selector.decode_page_size(batch.block_size)) // 2
@@ -155,7 +157,8 @@ def select_for_step(selector: BlockSelector, layer: int, q: torch.Tensor, num_kv
             keep, widest = chosen
             columns = layout.at(selector.decode_page_size(batch.block_size))
             if batch.stats is not None:
-                batch.stats.add_decode_on_device(columns, keep, bytes_per_host_pair)
+                read = bytes_per_host_pair if read_per_host_pair is None else read_per_host_pair
+                batch.stats.add_decode_on_device(columns, keep, read)
             return DeviceSelection(columns, keep, widest)
     return select_blocks(selector, layer, q, num_kv_heads, batch)
 
@@ -177,7 +180,10 @@ def page_views(page_size: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
     def view(t: torch.Tensor) -> torch.Tensor:
         return t if t.shape[1] == page_size else t.view(-1, page_size, *t.shape[2:])
 
-    host = None if host_kv is None else HostKV(view(host_kv.k), view(host_kv.v), host_kv.base)
+    host, codes = host_kv, host_kv and host_kv.key_codes
+    if host_kv is not None:
+        host = HostKV(view(host_kv.k), view(host_kv.v), host_kv.base,
+                      codes and KeyCodes(view(codes.codes), codes.scales.view(-1, page_size, codes.scales.shape[-1])))
     return view(k_cache), view(v_cache), host
 
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from nanovllm.config import EngineConfig
     from nanovllm.engine.kv_cache import PagedKVCache
     from nanovllm.engine.step_plan import StepPlan
+    from nanovllm.kernels.reference import KeyCodes
 
 QUEST_PAGE_SIZE = 16
 ESTIMATE_CHUNK = 8192  # XAttention's estimate takes queries in chunks of about this many tokens
@@ -56,7 +57,7 @@ class QuestSelector(BlockSelector):
     def __init__(self, metadata: BlockKeyBounds | BlockKeyCopy, token_budget: int, dense_layers: int,
                  min_context: int, sink_blocks: int = 1, recent_blocks: int = 1, page_select: bool = False,
                  max_model_len: int | None = None, rerank: int = 1, device_keys: torch.Tensor | None = None,
-                 host_keys: torch.Tensor | None = None, rerank_score: str = "max"):
+                 host_keys: torch.Tensor | None = None, rerank_score: str = "max", copied_host_keys: bool = False):
         """metadata: what pages are scored by: Quest's bounds (BlockKeyBounds: the upper bound, then the rerank)
         or an int8 copy of every key (BlockKeyCopy: each page's largest q . k through the copy, on every page;
         no rerank). page_select: decode steps (decode_keep, narrow) keep each KV head's top pages of the bounds
@@ -66,7 +67,8 @@ class QuestSelector(BlockSelector):
         runs one compiled variant of the top kernel, which warm_up() compiles. rerank: candidates per kept
         column, ranked by their keys: device_keys [layers, blocks, block_size, Hk, D] (the device pool's; needed
         when rerank > 1) and host_keys [layers, host blocks, block_size, Hk, D] for host blocks. rerank_score:
-        "max" (a candidate's largest q . k) or "mass" (its softmax mass, `_mass_scores`)."""
+        "max" (a candidate's largest q . k) or "mass" (its softmax mass, `_mass_scores`). copied_host_keys:
+        narrowed decode steps read kept host pages' keys from the int8 copy (`host_key_codes`)."""
         self.metadata, self.exact = metadata, isinstance(metadata, BlockKeyCopy)
         self.token_budget, self.dense_layers, self.min_context = token_budget, dense_layers, min_context
         self.sink_blocks, self.recent_blocks, self.page_select = sink_blocks, recent_blocks, page_select
@@ -77,6 +79,9 @@ class QuestSelector(BlockSelector):
         self.ordered_top = True
         if metadata.keys is not None and recent_blocks < 1:
             raise ValueError("lazily filled key metadata needs recent_blocks >= 1 (the block being written is kept)")
+        self.copied_host_keys = copied_host_keys
+        if copied_host_keys and not (self.exact and metadata.bits == 8):
+            raise ValueError("copied_host_keys reads host pages' keys from an int8 key copy: the metadata has none")
         if rerank > 1 and self.exact:
             raise ValueError(f"rerank={rerank}: the key copy scores every page exactly, there is nothing to rerank")
         if rerank > 1 and device_keys is None:
@@ -177,7 +182,12 @@ class QuestSelector(BlockSelector):
         return self._budget(block_size) + (self.sink_blocks + self.recent_blocks) * per_block
 
     def narrowing(self, block_size: int) -> tuple:
-        return super().narrowing(block_size) + (self.rerank, self.rerank_score)
+        return super().narrowing(block_size) + (self.rerank, self.rerank_score, self.copied_host_keys)
+
+    def host_key_codes(self, layer: int) -> KeyCodes | None:
+        if not self.copied_host_keys or layer < self.dense_layers:
+            return None
+        return self.metadata.host_key_codes(layer)
 
     def narrow_scratch_bytes(self, max_blocks: int) -> int:
         block_size = self.metadata.block_size
@@ -748,6 +758,9 @@ class PrefillDecodeSelector(BlockSelector):
     def narrow(self, layer, q, num_kv_heads, layout, key_reads=None):
         return self.decode.narrow(layer, q, num_kv_heads, layout, key_reads)
 
+    def host_key_codes(self, layer):
+        return self.decode.host_key_codes(layer)
+
     def warm_up_row(self, block_size) -> int:
         return max(self.prefill.warm_up_row(block_size), self.decode.warm_up_row(block_size))
 
@@ -803,7 +816,8 @@ def build_sparse_policy(config: EngineConfig, cache: PagedKVCache, host_pool=Non
                                            config.sparse_min_context, page_select=config.quest_page_select,
                                            max_model_len=config.max_model_len, rerank=rerank,
                                            device_keys=cache.data[0], host_keys=host_keys,
-                                           rerank_score=config.quest_rerank_score)
+                                           rerank_score=config.quest_rerank_score,
+                                           copied_host_keys=host_pool is not None and config.quest_host_keys == "copy")
     if "xattention" in config.sparse_policy:
         selectors["xattention"] = XAttentionSelector(cache, host_pool, config.xattn_threshold, config.xattn_stride,
                                                      config.xattn_block_size, config.sparse_min_context,

@@ -29,7 +29,7 @@ import torch
 
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.engine.offload.host_pool import RING_BASE, RING_SLOTS, HostKVPool, consecutive_runs
-from nanovllm.kernels.reference import HostKV
+from nanovllm.kernels.reference import HostKV, KeyCodes
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.block_selector import (BlockSelector, DecodeLayout, HostKeys, Selection, SelectionInput,
                                             SparseStats)
@@ -300,15 +300,18 @@ class SplitKV(_OffloadKV):
         k_cache, v_cache = self.cache.layer(layer)
         head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
         self.batch.host_keys.clear()  # the keys a selector reads are this layer's
+        codes = self.selector.host_key_codes(layer)  # keys of host pages read in place: from the codes
         if self.step_dense:
             selection = None
             if self.stats is not None:
                 self.stats.add(self.batch, None, k_cache.shape[2])
         else:
+            read = head_bytes if codes is None else head_bytes // 2
             selection = select_for_step(self.selector, layer, q, k_cache.shape[2], self.batch, self._layout,
-                                        head_bytes)
+                                        head_bytes, read)
         if isinstance(selection, DeviceSelection):  # decode: host blocks read in place, counted on the device
-            k_pages, v_pages, host = page_views(selection.layout.block_size, k_cache, v_cache, self._host_kv(layer))
+            k_pages, v_pages, host = page_views(selection.layout.block_size, k_cache, v_cache,
+                                                self._host_kv(layer, codes))
             return self.backend.forward(q, k_pages, v_pages, decode_metadata(self.backend, selection), scale,
                                         host_kv=host)
         if selection is not None:
@@ -337,9 +340,9 @@ class SplitKV(_OffloadKV):
                 self._fill_unit(unit + RING_SLOTS)
         return out.to(q.dtype)
 
-    def _host_kv(self, layer: int) -> HostKV:
+    def _host_kv(self, layer: int, key_codes: KeyCodes | None = None) -> HostKV:
         """This layer's host pool as the decode kernel's second pool, read in place (entries >= RING_BASE)."""
-        return HostKV(self.pool.host[0, layer], self.pool.host[1, layer], RING_BASE)
+        return HostKV(self.pool.host[0, layer], self.pool.host[1, layer], RING_BASE, key_codes)
 
     def _layout(self, batch: SelectionInput) -> DecodeLayout:
         if self.layout is None:
@@ -421,7 +424,8 @@ class SplitKV(_OffloadKV):
     def _attend_in_place(self, layer: int, q, k_cache, v_cache, groups: QueryGroups, step: SplitGroups,
                          scale) -> torch.Tensor:
         """Decode rows: one kernel over each head's selected blocks, host ones read from pinned memory."""
-        head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2]
+        codes = self.selector.host_key_codes(layer)
+        head_bytes = self.pool.block_bytes_per_layer // k_cache.shape[2] // (1 if codes is None else 2)
         host_blocks = (groups.mask & step.on_host[:, None, :]).sum((1, 2)).tolist()  # per group
         self.pool.stats.h2d_bytes += sum(host_blocks) * head_bytes
         if self.stats is not None:
@@ -429,4 +433,4 @@ class SplitKV(_OffloadKV):
                 self.stats.host_bytes[seq] += n * head_bytes
         meta = group_metadata(self.backend, groups, step.in_place_ids, self.pool.block_size, q.device,
                               shared=step.plan.shared_metadata)
-        return self.backend.forward(q, k_cache, v_cache, meta, scale, host_kv=self._host_kv(layer))
+        return self.backend.forward(q, k_cache, v_cache, meta, scale, host_kv=self._host_kv(layer, codes))
