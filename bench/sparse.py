@@ -9,7 +9,8 @@
   bounds and its dense layers' device mirror come on top and are printed): Quest at token budgets 2048 and 4096
   (the bound alone, quest_rerank=1; --rerank-peer 2 adds the default until the twenty-ninth session, --mass-peer
   the same ranked by mass, --key-copy-peer [8 4] pages scored through an int8 / int4 copy of every key, int8 the
-  default now)
+  default now; --copied-host-keys-peer the int8 copy's peer with host pages' keys read from the copy, only values
+  over PCIe, quest_host_keys="copy")
   against dense offload, on the same prefilled sequences (the selector is swapped between timings); host bytes
   per step, the PCIe floor of those bytes and the GB/s achieved;
 - GPU-only decode, Quest against dense, same sequences;
@@ -21,7 +22,8 @@
 
     PYTHONPATH=. python3 bench/sparse.py [--contexts 32768 131072] [--decode-cases 1x131072 4x131072]
         [--skip-prefill] [--skip-offload] [--skip-gpu-only] [--pages [--topk-peer]] [--async-peer]
-        [--profile-kernels] [--rerank-peer N [--mass-peer]] [--key-copy-peer [8 4] [--one-stage-top-peer]]
+        [--profile-kernels] [--rerank-peer N [--mass-peer]] [--key-copy-peer [8 4] [--one-stage-top-peer]
+        [--copied-host-keys-peer]]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
     PYTHONPATH=. python3 bench/sparse.py --e2e-contexts 131072 [--e2e-threshold 0.2] --skip-prefill --skip-offload \
@@ -64,6 +66,7 @@ class DecodePeers:
     mass: bool = False  # and with quest_rerank_score "mass"
     key_copy: tuple[int, ...] = ()  # page selection through a copy of every key at these bits (quest_key_copy) too
     one_stage_top: bool = False  # the key copies' selection with the ordered top in one stage too (the old kernel)
+    copied_host_keys: bool = False  # the int8 copy's peers with host pages' keys read from the copy too
 
 
 class Peer(NamedTuple):
@@ -80,6 +83,7 @@ class Peer(NamedTuple):
     score: str = "max"
     key_copy: int = 0
     one_stage_top: bool = False
+    copied_host_keys: bool = False
 
 
 HOT_SHARE = 0.08  # share of key blocks per KV head that carry its query direction
@@ -219,8 +223,13 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
               for bits in copy_selectors or {} for b in budgets] if which.async_peer else []
     peers += [Peer(f"quest_pages_{b}_int{bits}_keys_one_stage_top", b, pages=True, key_copy=bits, one_stage_top=True)
               for bits in copy_selectors or {} for b in budgets] if which.one_stage_top else []
+    copied = [8] if which.copied_host_keys and 8 in (copy_selectors or {}) else []
+    peers += [Peer(f"quest_pages_{b}_int8_keys_host_keys_copy", b, pages=True, key_copy=8, copied_host_keys=True)
+              for _ in copied for b in budgets]
+    peers += [Peer(f"quest_pages_{b}_int8_keys_host_keys_copy_async", b, pages=True, launched=True, key_copy=8,
+                   copied_host_keys=True) for _ in copied for b in budgets] if which.async_peer else []
     two_stage_rows = triton_quest.TWO_STAGE_MAX_ROWS
-    for name, budget, page_select, ordered, launched, rerank, score, key_copy, one_stage_top in peers:
+    for name, budget, page_select, ordered, launched, rerank, score, key_copy, one_stage_top, copied_keys in peers:
         triton_quest.TWO_STAGE_MAX_ROWS = 0 if one_stage_top else two_stage_rows  # read when graphs are captured
         if budget is None:
             llm.runner.set_block_selector(DenseSelector())
@@ -229,6 +238,8 @@ def decode_peers(llm: LLM, budgets: list[int], steps: int, h2d: float | None, wh
             selector = copy_selectors[key_copy] if key_copy else bound_selector
             selector.token_budget, selector.page_select, selector.ordered_top = budget, page_select, ordered
             selector.rerank, selector.rerank_score = rerank, score
+            if key_copy:
+                selector.copied_host_keys = copied_keys
             llm.runner.set_block_selector(selector)
             llm.runner.recapture_decode_graphs()  # the narrowed decode graphs of this budget
         llm.config = replace(llm.config, async_scheduling=launched)  # the engine reads it each step
@@ -427,6 +438,9 @@ def main() -> None:
     ap.add_argument("--async-peer", action="store_true", help="decode peers with async scheduling too")
     ap.add_argument("--one-stage-top-peer", action="store_true",
                     help="the key copy peers with the ordered top in one stage too (the kernel before two stages)")
+    ap.add_argument("--copied-host-keys-peer", action="store_true",
+                    help="with --key-copy-peer 8: that peer with host pages' keys read from the copy too "
+                         "(quest_host_keys='copy': only values cross PCIe)")
     ap.add_argument("--profile-kernels", action="store_true", help="log each decode peer's kernels (torch.profiler)")
     ap.add_argument("--rerank-peer", type=int, default=1,
                     help="N > 1: page peers with quest_rerank=N too (candidates ranked by their keys)")
@@ -459,7 +473,7 @@ def main() -> None:
     require_cuda()
     which = DecodePeers(args.pages, args.topk_peer, args.async_peer, args.profile_kernels, args.rerank_peer,
                         args.mass_peer, () if args.key_copy_peer is None else tuple(args.key_copy_peer or [8]),
-                        args.one_stage_top_peer)
+                        args.one_stage_top_peer, args.copied_host_keys_peer)
     results: dict = {}
     if not args.skip_prefill:
         results["prefill_attention"] = [prefill_attention(c, args.threshold, args.stride, args.cover) for c in args.contexts]
