@@ -30,8 +30,9 @@ GRAPH_SCRATCH_BYTES = 2 * 2**30  # the most a narrowed graph's selection may hol
 
 class NarrowedDecode:
     """What narrowed decode steps share for the engine's life: the selector, the pools and the count
-    buffer [rows, 3] (columns read, host columns read in place, host columns whose keys alone the selection
-    read; summed over layers and KV heads)."""
+    buffer [rows, 3] (columns read, host columns read in place, host columns read half: keys alone by the
+    selection, or values alone where the keys come from the selector's key codes; summed over layers and KV
+    heads)."""
 
     def __init__(self, selector: BlockSelector, cache: PagedKVCache, backend: AttentionBackend,
                  host_pool: HostKVPool | None, block_size: int, max_rows: int):

@@ -96,7 +96,8 @@ class StepWork:
 
     def narrowed(self, plan: StepPlan, counts: list[list[int]], per_block: int = 1) -> dict[int, SeqStepStats]:
         """A narrowed decode step (engine/narrowed.py) from its counts per row (columns read, host columns
-        read in place, host columns whose keys alone the selection read; per_block columns make a block:
+        read in place, host columns read half: keys alone by the selection, or values alone where the keys come
+        from the selector's key codes; per_block columns make a block:
         pages count as their share of a block and of its bytes); the host bytes are added to the pool's
         transfer counts too."""
         column_bytes = self.host_pool.block_bytes_per_layer // self.num_kv_heads // per_block if self.host_pool else 0
