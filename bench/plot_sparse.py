@@ -74,7 +74,8 @@ def main() -> None:
     for i, selection in enumerate(selections):
         values = {d[0]: d[3] for d in decode if (d[1], d[2]) == selection}
         xs = [c + (i - (len(selections) - 1) / 2) * width for c in range(len(cases))]
-        right.bar(xs, [values.get(c, 0.0) for c in cases], width, label=f"{selection[0]}, budget {selection[1]}")
+        right.bar(xs, [values.get(c, 0.0) for c in cases], width, label=f"{selection[0]}, budget {selection[1]}",
+                  color=plt.cm.tab20(i % 20))  # the default cycle repeats after 10 selections
     right.axhline(1.0, color="black", lw=0.8)
     right.annotate("dense", (-0.45, 1.0), fontsize=8, va="bottom")
     for budget, target in TARGETS.items():
