@@ -103,12 +103,14 @@ def test_two_ranks_match_one(models, case, memory):
         assert two.runner.host_pool.stats.h2d_bytes > 0
 
 
-def test_sparse_attention_with_offload_per_rank_heads(models):
+@pytest.mark.parametrize("host_keys", ["host", "copy"])
+def test_sparse_attention_with_offload_per_rank_heads(models, host_keys):
     """XAttention prefill and Quest decode select per KV head: each rank selects over its own head, which
-    is the selection one rank makes for that head."""
+    is the selection one rank makes for that head (host pages' keys read over PCIe or from each rank's own
+    key copy, quest_host_keys)."""
     options = dict(COMMON, num_gpu_blocks=8, enable_cpu_offload=True, cpu_kv_cache_gb=0.01,
                    sparse_policy="xattention+quest", sparse_min_context=0, xattn_block_size=16, xattn_stride=4,
-                   xattn_threshold=0.5, quest_token_budget=BS, quest_dense_layers=0)
+                   xattn_threshold=0.5, quest_token_budget=BS, quest_dense_layers=0, quest_host_keys=host_keys)
     prompts = [list(range(3, 150)), list(range(200, 20, -1))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     want = LLM(str(models["llama"]), **options).generate(prompts, params, use_tqdm=False)
