@@ -25,8 +25,9 @@ class KeyCodes(NamedTuple):
     codes: torch.Tensor
     scales: torch.Tensor
 
-    def dequantized(self) -> torch.Tensor:
-        return self.codes.float() * self.scales[..., None]
+    def blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        """The keys [len(ids), block_size, Hk, D] float32 of these blocks (int64 ids on the codes' device)."""
+        return self.codes.index_select(0, ids).float() * self.scales.index_select(0, ids)[..., None]
 
     def head(self, one: slice) -> KeyCodes:
         return KeyCodes(self.codes[:, :, one], self.scales[:, :, one])
@@ -43,9 +44,9 @@ class HostKV(NamedTuple):
     key_codes: KeyCodes | None = None
 
     @property
-    def keys(self) -> torch.Tensor:
-        """The host blocks' keys as attention reads them (dequantized codes, on their device, when given)."""
-        return self.k if self.key_codes is None else self.key_codes.dequantized()
+    def keys(self) -> torch.Tensor | KeyCodes:
+        """Where attention reads the host blocks' keys: k, or their codes when given."""
+        return self.k if self.key_codes is None else self.key_codes
 
 
 def paged_attention_reference(
@@ -97,9 +98,9 @@ def _per_head_reference(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tabl
 
 
 def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                  host_cache: torch.Tensor | None = None, host_base: int | None = None) -> torch.Tensor:
+                  host_cache: torch.Tensor | KeyCodes | None = None, host_base: int | None = None) -> torch.Tensor:
     """The first seq_len tokens of one sequence as a contiguous [seq_len, Hk, D] tensor on cache's device;
-    with host_cache, table entries >= host_base are read from it."""
+    with host_cache, table entries >= host_base are read from it (key codes: dequantized, float32)."""
     num_blocks = -(-seq_len // cache.shape[1])
     blocks = block_table[:num_blocks].to(dtype=torch.int64)
     if host_cache is None:
@@ -107,7 +108,11 @@ def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     else:
         on_host = blocks >= host_base
         device_part = cache.index_select(0, torch.where(on_host, 0, blocks).to(cache.device))
-        host_part = host_cache.index_select(0, torch.where(on_host, blocks - host_base, 0).to(host_cache.device))
+        host_ids = torch.where(on_host, blocks - host_base, 0)
+        if isinstance(host_cache, KeyCodes):
+            host_part = host_cache.blocks(host_ids.to(host_cache.codes.device))
+        else:
+            host_part = host_cache.index_select(0, host_ids.to(host_cache.device))
         gathered = torch.where(on_host.to(cache.device)[:, None, None, None], host_part.to(cache.device), device_part)
     return gathered.flatten(0, 1)[:seq_len]
 
