@@ -310,6 +310,7 @@ def test_the_key_copy_is_a_command_line_flag():
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     assert engine_options(parser.parse_args(["--quest-key-copy", "int8"])) == {"quest_key_copy": "int8"}
+    assert engine_options(parser.parse_args(["--quest-host-keys", "copy"])) == {"quest_host_keys": "copy"}
 
 
 def narrowed_counts(monkeypatch) -> list[list[int]]:
