@@ -5,6 +5,11 @@ the default's output; TFLOP/s count the causal pairs. Peer: torch SDPA (cuDNN or
 the prefix-free chunk.
 
     PYTHONPATH=. python3 bench/tune_prefill.py [--prefixes 0 8192 24576] [--chunk 8192] [--head-dim 128]
+    PYTHONPATH=. python3 bench/tune_prefill.py --xattention-contexts 131072 [--threshold 0.9]
+
+--xattention-contexts sweeps the same variants on the block-sparse prefill instead: one layer of XAttention over
+bench/sparse.py's shaped inputs (its estimate and selection, then the kernel over per-KV-head tables of the selected
+blocks), each variant against the default's output, the estimate's time taken off.
 
 Variants: pointer loads or tensor descriptors (TMA) for the K/V tiles; a program per query head or per KV head
 (pack_heads: its query heads' rows together, each K/V tile loaded once for them).
@@ -44,13 +49,71 @@ def sdpa_ms(chunk: int, dim: int) -> tuple[float, str]:
     return sdpa_causal_ms(q, k, v, repeats=5)
 
 
+def sweep_xattention(context: int, threshold: float, stride: int = 16) -> dict:
+    """ms of one XAttention prefill layer's attention (the layer less its estimate) per kernel variant, the
+    variants' outputs checked against the default's."""
+    from sparse import BLOCK as CACHE_BLOCK, DIM, KV_HEADS as HK, shaped_inputs, sparse_batch
+    from nanovllm.engine.kv_cache import PagedKVCache
+    from nanovllm.layers.attention import get_attention_backend
+    from nanovllm.layers.kv_access import DeviceKV
+    from nanovllm.layers.sparse_policies import XAttentionSelector
+
+    q, k, v = shaped_inputs(context, seed=context)
+    blocks = -(-context // CACHE_BLOCK)
+    cache = PagedKVCache(1, blocks, CACHE_BLOCK, HK, DIM, torch.bfloat16, torch.device("cuda"))
+    backend = get_attention_backend("triton")
+    table = torch.randperm(blocks).tolist()
+    slots = [table[p // CACHE_BLOCK] * CACHE_BLOCK + p % CACHE_BLOCK for p in range(context)]
+    metadata = lambda: backend.build_metadata([context], [context], [table], slots, CACHE_BLOCK,  # noqa: E731
+                                              torch.device("cuda"))
+    selector = XAttentionSelector(cache, None, threshold, stride, 128, min_context=0)
+    estimate_ms = cuda_ms(lambda: selector.select(0, q, HK, sparse_batch(metadata())), 3)
+    default_config = ops.prefill_config
+
+    def layer(config: ops.PrefillConfig | None) -> tuple[float, torch.Tensor]:
+        ops.prefill_config = default_config if config is None else (lambda *a, **kw: config)
+        try:  # a fresh step's metadata: its plan (config, schedule) is made with this variant
+            kv = DeviceKV(cache, backend, metadata(), selector)
+            out = kv.attend(0, q, k, v, DIM**-0.5)
+            return cuda_ms(lambda: kv.attend(0, q, k, v, DIM**-0.5), 3) - estimate_ms, out
+        finally:
+            ops.prefill_config = default_config
+
+    base_ms, want = layer(None)
+    rows = []
+    for values in itertools.product(*GRID.values()):
+        config = ops.PrefillConfig(**dict(zip(GRID, values)))
+        if CACHE_BLOCK % config.block_n:
+            continue
+        try:
+            ms, got = layer(config)
+        except Exception as exc:  # out of shared memory or registers for this combination
+            log(f"  {config}: failed ({type(exc).__name__})")
+            continue
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        rows.append(dict(config=vars(config), ms=ms))
+    rows.sort(key=lambda r: r["ms"])
+    log(f"XAttention layer at {context}: estimate {estimate_ms:.1f} ms, attention with the default "
+        f"{vars(default_config(torch.bfloat16, DIM, CACHE_BLOCK))} {base_ms:.1f} ms")
+    for r in rows[:6]:
+        log(f"  {r['config']}: {r['ms']:.1f} ms, {base_ms / r['ms']:.2f}x the default")
+    return dict(context=context, threshold=threshold, estimate_ms=estimate_ms, default_ms=base_ms, best=rows[:8])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefixes", nargs="+", type=int, default=[0, 8192, 24576])
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--xattention-contexts", nargs="+", type=int, default=[],
+                    help="sweep the block-sparse prefill instead: one XAttention layer at each context")
+    ap.add_argument("--threshold", type=float, default=0.9, help="XAttention's threshold for --xattention-contexts")
     args = ap.parse_args()
     require_cuda()
+    if args.xattention_contexts:
+        save_results("tune_prefill_xattention",
+                     {"layers": [sweep_xattention(c, args.threshold) for c in args.xattention_contexts]})
+        return
     default = ops.prefill_config(torch.bfloat16, args.head_dim, BLOCK)
     peer_ms, peer = sdpa_ms(args.chunk, args.head_dim)
     log(f"SDPA {peer} on the prefix-free chunk: {peer_ms:.2f} ms, "

