@@ -1,0 +1,178 @@
+"""The engine's host work per decode step, with the device worker replaced by one that answers at once.
+
+What a step costs on the host (scheduling, planning, token bookkeeping, stop checks; in the server's engine
+process also the token deltas pickled and sent to the front end) sets the pace wherever it exceeds the GPU's
+step: the throughput workload's tail (batch <= 64) and the server's engine process. Measured here on any
+machine, per step, against the same engine offline (`step_states`) in the same process:
+
+    python3 bench/host_step.py --batches 256 64 16 [--async-scheduling] [--profile]
+
+"offline" drives `LLMEngine.step_states()` as the server's engine process does without a front end; "server"
+drives the engine process's own loop (`EngineLoop` over `_FrontEnds`), its events sent through a pipe to a
+process that only reads them. Ratio = server / offline: the share of the engine process's step that is not the
+engine's own.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import multiprocessing
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.step_plan import StepPlan  # noqa: E402
+from nanovllm.engine.worker import StepOutput  # noqa: E402
+from nanovllm.server.engine_core import EngineLoop, _FrontEnds  # noqa: E402
+
+TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32, "hidden_act": "silu",
+        "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 4096, "num_attention_heads": 2,
+        "num_hidden_layers": 1, "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "tie_word_embeddings": True, "torch_dtype": "float32", "vocab_size": 151936}
+
+
+class InstantWorker:
+    """The device worker's execute/launch, answering with a token per sampling row and no device work.
+    Tokens are drawn above every special id, so that only max_tokens ends a request."""
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        rng = random.Random(seed)
+        self.pool = [rng.randrange(1000, vocab_size) for _ in range(4096)]  # drawn once: the harness costs ~nothing
+        self.offset = 0
+
+    def _tokens(self, n: int) -> list[int]:
+        self.offset = (self.offset + 1) % (len(self.pool) - n) if n < len(self.pool) else 0
+        return self.pool[self.offset : self.offset + n]
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        tokens = self._tokens(len(plan.sample_seq_ids))
+        return StepOutput({i: (t, None) for i, t in zip(plan.sample_seq_ids, tokens)}, {})
+
+    def launch(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict]:
+        if not plan.sample_seq_ids:
+            return None, {}
+        return torch.tensor(self._tokens(len(plan.sample_seq_ids))), {}
+
+
+def build_engine(model_dir: Path, batch: int, async_scheduling: bool, **options) -> LLM:
+    options = {"max_num_batched_tokens": 8192, "num_gpu_blocks": batch * 40 + 64, **options}
+    llm = LLM(str(model_dir), load_format="dummy", device="cpu", dtype="float32", max_model_len=2048,
+              max_num_seqs=batch, kvcache_block_size=16, async_scheduling=async_scheduling, enforce_eager=True,
+              **options)
+    llm.runner.worker = InstantWorker(TINY["vocab_size"])
+    return llm
+
+
+def add_requests(llm: LLM, batch: int, prompt_len: int, new_tokens: int, tag: str) -> None:
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    rng = random.Random(1)
+    for i in range(batch):
+        llm.add_request([rng.randrange(1000, 30000) for _ in range(prompt_len)], params, f"{tag}{i}")
+
+
+def decode_step_times(llm: LLM, step) -> list[float]:
+    """Seconds of each step after every request's prompt is in (all rows decode)."""
+    times = []
+    while llm.has_unfinished_requests():
+        decoding = not llm.scheduler.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens
+                                                     for s in llm.scheduler.running)
+        started = time.perf_counter()
+        step()
+        if decoding and llm.scheduler.running:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def _drain(connection) -> None:
+    """The front end's side: read every message until the engine says it stopped."""
+    while True:
+        batch = connection.recv()
+        if any(event[0] == "stopped" for event in batch):
+            return
+
+
+def run_offline(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> list[float]:
+    add_requests(llm, batch, prompt_len, new_tokens, "o")
+    return decode_step_times(llm, llm.step_states)
+
+
+def run_server(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> list[float]:
+    """The engine process's loop body (commands, step, events out) with its events crossing a real pipe."""
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+    reader = multiprocessing.get_context("fork").Process(target=_drain, args=(receive,), daemon=True)
+    reader.start()
+    front_ends = _FrontEnds([send])
+    loop = EngineLoop(llm, front_ends, build_outputs=False)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    rng = random.Random(1)
+    for i in range(batch):
+        loop.post(front_ends.command(front_ends.sinks[0], ("add", f"s{i}", [rng.randrange(1000, 30000)
+                                                                            for _ in range(prompt_len)], params)))
+
+    def body() -> None:
+        loop._next_commands()
+        started = time.monotonic()
+        outputs = loop._step()
+        front_ends.stepped(outputs, loop._first_scheduled(), started, llm.stats())
+
+    loop._next_commands()
+    times = decode_step_times(llm, body)
+    front_ends.stopped()
+    reader.join(30)
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    return {"steps": len(times), "median_us": statistics.median(times) * 1e6, "mean_us": statistics.fmean(times) * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 64, 16])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="offline and server alternate this many times")
+    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="cProfile the last server run: top functions")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/nanovllm_host_step_model"))
+    parser.add_argument("--out", type=Path, default=None, help="JSON of every run")
+    args = parser.parse_args()
+    args.model_dir.mkdir(parents=True, exist_ok=True)
+    (args.model_dir / "config.json").write_text(json.dumps(TINY))
+    results = []
+    for batch in args.batches:
+        llm = build_engine(args.model_dir, batch, args.async_scheduling)
+        run_offline(llm, batch, args.prompt_len, args.new_tokens)  # untimed: first-use costs
+        rows = {"offline": [], "server": []}
+        for _ in range(args.rounds):
+            rows["offline"] += run_offline(llm, batch, args.prompt_len, args.new_tokens)
+            rows["server"] += run_server(llm, batch, args.prompt_len, args.new_tokens)
+        offline, server = summary(rows["offline"]), summary(rows["server"])
+        ratio = server["median_us"] / offline["median_us"]
+        print(f"batch {batch:4d}: offline {offline['median_us']:8.1f} us/step ({offline['median_us'] / batch:5.2f} per "
+              f"row), server {server['median_us']:8.1f} us/step ({server['median_us'] / batch:5.2f} per row), "
+              f"server/offline {ratio:.2f}x  [median of {offline['steps']} / {server['steps']} decode steps]",
+              flush=True)
+        results.append({"batch": batch, "async_scheduling": args.async_scheduling, "offline": offline,
+                        "server": server, "ratio": ratio})
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            run_server(llm, batch, args.prompt_len, args.new_tokens)
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
