@@ -222,3 +222,72 @@ def test_the_engine_loop_reports_each_request_first_scheduled_once_at_its_admiss
     firsts = [(step_index, rid) for step_index, ids in reported for rid in ids]
     assert sorted(rid for _, rid in firsts) == ["r0", "r1", "r2", "r3"]
     assert {rid: step_index for step_index, rid in firsts} == computed_at
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_outputs_through_the_pipe_equal_the_loop_in_this_process(tiny_llama, async_scheduling):
+    """Every step's outputs, rebuilt by a front end from the engine process's messages (one new token as the two
+    flat lists, the rest as deltas: first outputs, logprobs, finished ones), equal the outputs the same loop builds
+    in one process, step by step; an aborted request stops being reported in both. (The server sends n > 1 as n
+    requests.)"""
+    from multiprocessing import Pipe
+
+    from nanovllm.server.engine_core import CoreClient, CoreStart, EngineLoop, PoolLimits, _FrontEnds
+
+    class Steps:
+        def __init__(self):
+            self.steps: list[dict] = []
+
+        def __getattr__(self, name):
+            return lambda *args: None
+
+        def stepped(self, outputs, first_scheduled, started, stats):
+            self.steps.append({o.request_id: ([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
+                                              o.finished, [c.finish_reason for c in o.outputs]) for o in outputs})
+
+    requests = [("plain", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)),
+                ("logprobs", [9, 10, 11], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)),
+                ("short", [12, 13], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+                ("seeded", [14, 15, 16], SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True)),
+                ("aborted", [17, 18, 19], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))]
+    options = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_gpu_blocks=64,
+                   async_scheduling=async_scheduling)
+
+    def run(through_pipe: bool) -> list[dict]:
+        llm = LLM(str(tiny_llama), **options)
+        steps = Steps()
+        if through_pipe:
+            received, sent = Pipe(duplex=False)
+            front_ends = _FrontEnds([sent])
+            bm = llm.block_manager
+            client = CoreClient((None, received), CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks,
+                                                                                    bm.block_size), llm.stats()))
+            loop = EngineLoop(llm, front_ends, build_outputs=False)
+        else:
+            loop = EngineLoop(llm, steps)
+        def post(command: tuple) -> None:
+            if through_pipe:
+                client._prompts.setdefault(command[1], command[2] if command[0] == "add" else None)
+            loop.post(front_ends.command(front_ends.sinks[0], command) if through_pipe else command)
+
+        for request_id, prompt, params in requests:
+            post(("add", request_id, prompt, params))
+        for step in range(40):
+            if step == 3:
+                post(("abort", "aborted"))
+            if step > 3 and not llm.has_unfinished_requests():
+                break
+            loop._next_commands()
+            started = 0.0
+            outputs = loop._step()
+            loop.events.stepped(outputs, loop._first_scheduled(), started, llm.stats())
+            while through_pipe and received.poll():
+                for event in received.recv():
+                    client._dispatch(steps, event)
+        assert not llm.has_unfinished_requests()
+        return steps.steps
+
+    in_process, piped = run(False), run(True)
+    assert piped == in_process
+    assert any(len(step) > 1 for step in piped) and not any("aborted" in step for step in piped[4:])
+    assert {rid for step in piped for rid, out in step.items() if out[2]} == {"plain", "logprobs", "short", "seeded"}
