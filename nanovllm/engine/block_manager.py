@@ -188,8 +188,12 @@ class BlockManager:
         """Hash every full block whose KV is now computed, so later requests can reuse it."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.seq_block_hashes.setdefault(seq.seq_id, [])
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        hashes = self.seq_block_hashes.get(seq.seq_id)
+        if hashes is None:
+            hashes = self.seq_block_hashes[seq.seq_id] = []
+        elif len(hashes) >= num_full:  # called per token with async scheduling: most calls find nothing new
+            return
         for i in range(len(hashes), num_full):
             tokens = seq.block_tokens(i)
             h = chain_hash(tokens, hashes[-1] if hashes else NO_HASH)

@@ -266,7 +266,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress although requests are pending")
             return []
         offloads = self.block_manager.take_pending_offloads()
-        if self.config.async_scheduling and not any(_runs_synchronously(item.seq.params) for item in scheduled):
+        if self.config.async_scheduling and not any(item.seq.synchronous_sampling for item in scheduled):
             return self._launch(scheduled, offloads, final_only)
         touched = []
         if self._pending is not None:
@@ -333,7 +333,3 @@ class LLMEngine:
             self.runner.release(seq)
         if req.finished:
             del self.requests[req.request_id]
-
-def _runs_synchronously(params: SamplingParams) -> bool:
-    """Logits go back to the host (logprobs), or sampling needs the tokens still in flight (penalties)."""
-    return params.logprobs is not None or params.prompt_logprobs is not None or params.penalizes

@@ -30,6 +30,10 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
+        # logits go back to the host (logprobs), or sampling needs the tokens still in flight (penalties): its
+        # steps run synchronously under async scheduling (read per row and step, so kept, not derived)
+        self.synchronous_sampling = params.logprobs is not None or params.prompt_logprobs is not None \
+            or params.penalizes
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
