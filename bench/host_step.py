@@ -6,6 +6,7 @@ step: the throughput workload's tail (batch <= 64) and the server's engine proce
 machine, per step, against the same engine offline (`step_states`) in the same process:
 
     python3 bench/host_step.py --batches 256 64 16 [--async-scheduling] [--profile]
+    python3 bench/host_step.py --batches 256 --rounds 1 --prompt-len 256 --new-tokens 128 --step-kinds 1000
 
 "offline" drives `LLMEngine.step_states()` as the server's engine process does without a front end; "server"
 drives the engine process's own loop (`EngineLoop` over `_FrontEnds`), its events sent through a pipe to a
@@ -131,6 +132,20 @@ def run_server(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> list[f
     return times
 
 
+def step_kinds(llm: LLM, num_requests: int, prompt_len: int, new_tokens: int) -> dict[str, int]:
+    """Steps of `num_requests` requests added at once, by kind: decode rows only (what the decode CUDA graphs run),
+    prefill rows only, or both (mixed: run eagerly)."""
+    add_requests(llm, num_requests, prompt_len, new_tokens, "k")
+    kinds = {"decode": 0, "prefill": 0, "mixed": 0}
+    while llm.has_unfinished_requests():
+        running = llm.scheduler.running
+        prefilling = bool(llm.scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in running)
+        decoding = any(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
+        llm.step_states()
+        kinds["mixed" if prefilling and decoding else "prefill" if prefilling else "decode"] += 1
+    return kinds
+
+
 def summary(times: list[float]) -> dict:
     return {"steps": len(times), "median_us": statistics.median(times) * 1e6, "mean_us": statistics.fmean(times) * 1e6}
 
@@ -143,6 +158,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="offline and server alternate this many times")
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--profile", action="store_true", help="cProfile the last server run: top functions")
+    parser.add_argument("--step-kinds", type=int, default=0, metavar="N",
+                        help="also count the steps of N requests (--prompt-len in, --new-tokens out) added at once, "
+                             "at max_num_seqs = the largest batch, by kind: decode only, prefill only, mixed")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/nanovllm_host_step_model"))
     parser.add_argument("--out", type=Path, default=None, help="JSON of every run")
     args = parser.parse_args()
@@ -170,6 +188,12 @@ def main() -> None:
             run_server(llm, batch, args.prompt_len, args.new_tokens)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    if args.step_kinds:
+        llm = build_engine(args.model_dir, max(args.batches), args.async_scheduling)
+        kinds = step_kinds(llm, args.step_kinds, args.prompt_len, args.new_tokens)
+        print(f"{args.step_kinds} requests of {args.prompt_len} in / {args.new_tokens} out, max_num_seqs "
+              f"{max(args.batches)}: {sum(kinds.values())} steps: " + ", ".join(f"{v} {k}" for k, v in kinds.items()))
+        results.append({"step_kinds": kinds, "requests": args.step_kinds})
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 
