@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -219,18 +220,55 @@ def stop_server(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-def offline_throughput(model: str | None, engine_options: dict, prompts, out_lens) -> dict:
-    """The same prompts through LLM.generate in this process: the ceiling for any arrival rate."""
+def offline_throughput(model: str | None, engine_options: dict, prompts, out_lens, loads: tuple[int, ...] = (0,)
+                       ) -> list[dict]:
+    """The same prompts through LLM.generate in this process: the ceiling for any arrival rate. One run per entry of
+    `loads`, beside that many processes that keep a core busy each (0: alone): what the host's other work (the
+    server's clients and front ends share its cores) costs the engine itself."""
     from nanovllm import LLM, SamplingParams
 
     llm = LLM(model, **engine_options)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"output_tokens": tokens, "duration_s": seconds, "output_throughput_tok_s": tokens / seconds}
+    runs = []
+    for load in loads:
+        with busy_cores(load):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+        tokens = sum(len(o.token_ids) for o in outs)
+        runs.append({"output_tokens": tokens, "duration_s": seconds, "output_throughput_tok_s": tokens / seconds,
+                     "busy_processes": load})
+    return runs
+
+
+@contextlib.contextmanager
+def busy_cores(count: int):
+    """`count` processes, each spinning on one core, while the block runs."""
+    if count == 0:
+        yield
+        return
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    stop, spinning = context.Event(), context.Semaphore(0)
+    spinners = [context.Process(target=_spin, args=(stop, spinning), daemon=True) for _ in range(count)]
+    for process in spinners:
+        process.start()
+    for _ in spinners:  # started and past their imports
+        spinning.acquire()
+    try:
+        yield
+    finally:
+        stop.set()
+        for process in spinners:
+            process.join(10)
+
+
+def _spin(stop, spinning) -> None:
+    spinning.release()
+    while not stop.is_set():
+        sum(range(10_000))
 
 
 def auth_headers() -> dict[str, str]:
@@ -260,6 +298,10 @@ def vocab_size(model: str | None) -> int:
 def print_report(report: dict) -> None:
     peer = report["peer"]
     print(f"\npeer: {peer['name']} = {peer['output_throughput_tok_s']:.1f} output tok/s")
+    loaded = report.get("peer_under_load")
+    if loaded:
+        print(f"      the same beside {loaded['busy_processes']} busy processes = "
+              f"{loaded['output_throughput_tok_s']:.1f} output tok/s ({loaded['fraction_of_peer']:.2f} of alone)")
     print(f"{'rate':>6} {'done':>5} {'tok/s':>9} {'of peer':>8} | {'TTFT p50/p90/p99 ms':>22} | "
           f"{'TPOT p50/p90/p99 ms':>22} | {'E2E p50/p90/p99 s':>20}")
     for r in report["rates"]:
@@ -373,8 +415,11 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
         if proc is not None:
             stop_server(proc)
     inf_run = next(r for r in results if r["request_rate"] == "inf")
+    loaded = []
     if proc is not None and not args.no_offline:
-        peer = {"name": "offline LLM.generate", **offline_throughput(args.model, engine_options, prompts, out_lens)}
+        alone, *loaded = offline_throughput(args.model, engine_options, prompts, out_lens,
+                                            (0, args.peer_cpu_load) if args.peer_cpu_load else (0,))
+        peer = {"name": "offline LLM.generate", **alone}
     else:
         peer = {"name": "rate-inf run", **{k: inf_run[k] for k in ("output_tokens", "duration_s", "output_throughput_tok_s")}}
     for r in results:
@@ -384,6 +429,9 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
               "output_len": args.output_len, "engine_options": engine_options,
               "engine_core": args.engine_core if proc is not None else None,
               "api_server_count": args.api_server_count if proc is not None else None, "peer": peer, "rates": results}
+    if loaded:
+        report["peer_under_load"] = {**loaded[0], "fraction_of_peer": loaded[0]["output_throughput_tok_s"] /
+                                     peer["output_throughput_tok_s"]}
     print_report(report)
     (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / f"{args.name}.png")
@@ -419,6 +467,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample the started server's processes (engine, each front end) with py-spy during the "
                              "rate-inf run: the functions on top of most samples in the report, raw stacks in "
                              "the output directory (needs py-spy on PATH)")
+    parser.add_argument("--peer-cpu-load", type=int, default=0, metavar="N",
+                        help="run the offline peer a second time beside N processes that each keep a core busy, as "
+                             "the server's clients and front ends do: how much the host's other work slows the "
+                             "engine itself (default: 0, not run)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="client processes sharing the requests (one Python client parsing every SSE chunk can "
                              "be the bottleneck: see 'client CPU busy' in the report; default: 1)")

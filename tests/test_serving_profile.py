@@ -41,3 +41,22 @@ def test_profile_server_needs_py_spy_and_a_server_of_its_own(monkeypatch, tmp_pa
 
 def test_server_processes_of_a_process_without_named_children():
     assert server_processes(os.getpid()) == {"front end 0": os.getpid()}
+
+
+def test_busy_cores_keeps_that_many_processes_spinning_while_the_block_runs():
+    """--peer-cpu-load's load: inside the block `count` child processes each burn CPU; afterwards they are gone."""
+    import multiprocessing
+    import time
+
+    from nanovllm.serving_bench import busy_cores, process_cpu_seconds
+
+    with busy_cores(2):
+        spinners = multiprocessing.active_children()
+        assert len(spinners) == 2
+        before = [process_cpu_seconds(p.pid) for p in spinners]
+        time.sleep(0.5)
+        burnt = [process_cpu_seconds(p.pid) - b for p, b in zip(spinners, before)]
+    assert all(cpu > 0.1 for cpu in burnt), burnt
+    assert not any(p.is_alive() for p in spinners)
+    with busy_cores(0):
+        assert not multiprocessing.active_children()
