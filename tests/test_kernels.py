@@ -664,6 +664,30 @@ def test_decode_kernel_with_per_head_tables(ops):
         ops.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens[:, :1], tables, 0.3)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_decode_merge_reads_only_the_splits_with_tiles(ops, monkeypatch, accumulate):
+    """Empty splits return at once and write nothing (a decode graph's split count follows max_model_len, not the
+    step's lengths): whatever the partial buffers hold (NaN here), the merge reads only the splits with tiles, per
+    KV head with its own length too."""
+    b = make_batch([1] * 4, [3, 40, 97, 150], 2, 4, 32, 16, torch.float32, seed=12)
+    tables, lens = _per_head_selection(b, 2, seed=5)
+    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.3)
+    want = paged_attention_reference(*args)
+    empty = torch.empty
+
+    def poisoned(*shape, **kwargs):
+        t = empty(*shape, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    out = (torch.zeros_like(b.q), torch.full(b.q.shape[:2], float("-inf"), device=DEVICE)) if accumulate else None
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for splits in (7, 64):
+        got = ops.paged_decode_attention(*args, num_splits=splits, block_n=16,
+                                         out=None if out is None else tuple(t.clone() for t in out),
+                                         accumulate=accumulate)
+        assert_matches(got, want, torch.float32)
+
+
 def test_triton_backend_with_per_head_metadata(ops):
     """A block-sparse selection's metadata (build_head_metadata) through the triton backend equals the torch
     backend: a mixed batch (decode rows to the decode kernel, chunks to the prefill kernel) and history; also with
@@ -694,7 +718,8 @@ def test_triton_backend_with_per_head_metadata(ops):
 def test_decode_kernel_with_key_codes_compiles_for_sm90_without_a_gpu():
     """The interpreter runs fp32 only: the decode kernel reading host keys from int8 codes, compiled for sm_90
     through Triton's own ptxas with bf16 queries on tensor cores (Llama-3.1-8B's shape: 4 query heads per KV head,
-    16-token pages; SmolLM2's: 3 per KV head, head_dim 64), split and direct."""
+    16-token pages; SmolLM2's: 3 per KV head, head_dim 64), split (empty splits returning at once) and direct; and
+    the merge of the splits with tiles, flat and per-head lengths."""
     pytest.importorskip("triton")
     code = """
 import triton
@@ -714,6 +739,17 @@ for group, dim, direct in [(4, 128, False), (4, 128, True), (3, 64, False)]:
     out = "*bf16" if direct else "*fp32"
     compiled = triton.compile(ASTSource(kernel, dict(sig, out_ptr=out), consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
+    assert compiled.asm["cubin"]
+from nanovllm.kernels.triton_paged_attention import _merge_splits_kernel as merge
+names = merge.arg_names
+first_constexpr = names.index("HEAD_DIM")
+sig = {name: "i32" for name in names[:first_constexpr]}
+sig.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", cu_ptr="*i32",
+           seq_ids_ptr="*i32", seq_lens_ptr="*i32")
+sig.update({name: "constexpr" for name in names[first_constexpr:]})
+for per_head in (False, True):
+    consts = dict(HEAD_DIM=128, SPLITS_PAD=64, INDEXED=False, ACCUMULATE=True, GROUP=4, BLOCK_N=16, PER_HEAD=per_head)
+    compiled = triton.compile(ASTSource(merge, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert compiled.asm["cubin"]
 print("ok")
 """

@@ -13,9 +13,10 @@ straddles two cache blocks: one block-table load per tile, then contiguous rows 
 Decode (every sequence has one new token): grid (B, Hk, num_splits). A program takes one sequence,
 one KV head and all GROUP = Hq / Hk query heads that share it (K/V read once for the group, padded
 to >= 16 rows for tl.dot), and a contiguous range of that sequence's KV tiles: its tiles are cut into
-num_splits ranges of cdiv(tiles, num_splits), so a split may be empty (lse -inf). Splits write
-float32 partials [B, Hq, S, D] / [B, Hq, S]; `_merge_splits_kernel` (grid (B, Hq)) combines them by
-log-sum-exp into the token's row. With one split the kernel writes the final output directly. The
+num_splits ranges of cdiv(tiles, num_splits), so a split may be empty: it returns at once, writing nothing
+(a graph's splits follow its tables' width, max_model_len, not the step's lengths: at 1K of 32K most are empty).
+Splits write float32 partials [B, Hq, S, D] / [B, Hq, S]; `_merge_splits_kernel` (grid (B, Hq)) combines those
+with tiles (their count follows from the length) by log-sum-exp into the token's row. With one split the kernel writes the final output directly. The
 number of splits depends only on shapes (batch, Hk, block_tables width * block_size, SM count), never
 on data, so the decode path never synchronises with the host and can be captured in a CUDA graph.
 With seq_ids, program i serves sequence seq_ids[i]: the one-token rows of a mixed batch.
@@ -226,6 +227,9 @@ def _decode_kernel(
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.cdiv(num_tiles, num_splits)
     lo = split * per_split
+    if not DIRECT:
+        if lo >= num_tiles:  # an empty split: the merge reads only those with tiles
+            return
     hi = tl.minimum(lo + per_split, num_tiles)
     full_tiles = seq_len // BLOCK_N  # tiles without positions past the end
 
@@ -274,12 +278,14 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_plt", "stride_plh"])
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, seq_lens_ptr, num_splits, num_kv_heads,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
-    """Log-sum-exp merge of the splits of partials [i, head, :] into the token's row of out/lse
-    (ACCUMULATE: also with what that row holds)."""
+    """Log-sum-exp merge of the splits of partials [i, head, :] that have tiles (the decode kernel's split rule on
+    the sequence's length; the others wrote nothing) into the token's row of out/lse (ACCUMULATE: also with what
+    that row holds). No split with tiles: out 0, lse -inf (ACCUMULATE: the row unchanged)."""
     i = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if INDEXED:
@@ -287,9 +293,15 @@ def _merge_splits_kernel(
     else:
         seq = i
     row = tl.load(cu_ptr + seq).to(tl.int64)
+    if PER_HEAD:
+        seq_len = tl.load(seq_lens_ptr + seq * num_kv_heads + head // GROUP)
+    else:
+        seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    with_tiles = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_splits
+    s_mask = offs_s < with_tiles
     part_lse = tl.load(part_lse_ptr + i * stride_plt + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
     peak = tl.max(part_lse, 0)
     peak = tl.where(peak == float("-inf"), 0.0, peak)  # a sequence without keys: all parts empty
@@ -517,11 +529,11 @@ def paged_decode_attention(
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
-            part_out, part_lse, out, lse, cu_query_lens, ids, num_splits,
+            part_out, part_lse, out, lse, cu_query_lens, ids, seq_lens, num_splits, num_kv_heads,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             HEAD_DIM=head_dim, SPLITS_PAD=16 if num_splits <= 16 else MAX_SPLITS, INDEXED=indexed,
-            ACCUMULATE=accumulate, num_warps=4,
+            ACCUMULATE=accumulate, GROUP=group, BLOCK_N=block_n, PER_HEAD=per_head, num_warps=4,
         )
     return out, lse
 
