@@ -6,7 +6,7 @@ against the floor (weights + every sequence's KV read once per step, over the me
 bandwidth). Prefill tokens/s at 8K and 32K against HF transformers' forward in the same process.
 
     PYTHONPATH=. python3 bench/latency.py [--cases 1x1024 1x32768 32x1024] [--prefill-contexts 8192 32768]
-        [--decode-tokens 64] [--skip-hf] [--sparse-policy full|xattention|quest|xattention+quest]
+        [--decode-tokens 64] [--skip-hf] [--sparse-policy full|xattention|quest|xattention+quest] [--async-scheduling]
 """
 from __future__ import annotations
 
@@ -39,15 +39,13 @@ def measure_decode(llm: LLM, batch: int, context: int, new_tokens: int, run: int
     torch.cuda.synchronize()
     start = time.perf_counter()
     seqs = [llm.requests[llm.add_request(p, params)].seq for p in prompts]
-    while any(s.num_output_tokens == 0 for s in seqs):
+    while any(s.first_token_time is None for s in seqs):  # a real token (async scheduling appends placeholders)
         llm.step()
     first_all = time.perf_counter()
-    steps = 0
     while llm.has_unfinished_requests():
         llm.step()
-        steps += 1
     torch.cuda.synchronize()
-    return first_all - start, 1e3 * (time.perf_counter() - first_all) / steps
+    return first_all - start, 1e3 * (time.perf_counter() - first_all) / (new_tokens - 1)
 
 def prefill_tok_s(llm: LLM, context: int) -> float:
     prompt = torch.randint(0, llm.config.hf_config["vocab_size"], (context,)).tolist()
@@ -72,6 +70,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--sparse-policy", default="full",
                     help="the engine's sparse_policy (below sparse_min_context, 8192 by default, it must cost nothing)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the engine's async_scheduling: each step's host work while the GPU runs the previous one")
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
@@ -87,8 +87,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     max_len = max([c for _, c in cases] + args.prefill_contexts) + args.decode_tokens + 16
     llm = LLM(args.config, load_format="dummy", max_model_len=max_len, max_num_seqs=max(b for b, _ in cases),
-              sparse_policy=args.sparse_policy)
+              sparse_policy=args.sparse_policy, async_scheduling=args.async_scheduling)
     results["sparse_policy"] = args.sparse_policy
+    results["async_scheduling"] = args.async_scheduling
     results["startup_s"] = llm.startup_seconds
     log(f"engine start-up (weights, KV pool, warm-up, kernels, CUDA graphs): {llm.startup_seconds:.1f} s")
     llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
