@@ -16,9 +16,10 @@ to >= 16 rows for tl.dot), and a contiguous range of that sequence's KV tiles: i
 num_splits ranges of cdiv(tiles, num_splits), so a split may be empty: it returns at once, writing nothing
 (a graph's splits follow its tables' width, max_model_len, not the step's lengths: at 1K of 32K most are empty).
 Splits write float32 partials [B, Hq, S, D] / [B, Hq, S]; `_merge_splits_kernel` (grid (B, Hq)) combines those
-with tiles (their count follows from the length) by log-sum-exp into the token's row. With one split the kernel writes the final output directly. The
-number of splits depends only on shapes (batch, Hk, block_tables width * block_size, SM count), never
-on data, so the decode path never synchronises with the host and can be captured in a CUDA graph.
+with tiles (their count follows from the length) by log-sum-exp into the token's row. With one split the kernel
+writes the final output directly. The number of splits depends only on shapes (batch, Hk, block_tables width *
+block_size, SM count), never on data, so the decode path never synchronises with the host and can be captured in a
+CUDA graph.
 With seq_ids, program i serves sequence seq_ids[i]: the one-token rows of a mixed batch.
 
 Prefill (any query lengths, with or without a cached prefix): grid (Hq, num_work). The host builds
