@@ -277,12 +277,14 @@ def _decode_kernel(
     tl.store(lse_ptrs, lse, mask=head_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_plt", "stride_plh"])
+# What locates a row's length (flat [B] or per KV head [B, Hk], the group, the tile) is not specialised on: every
+# decode path shares the merge variants the start-up compiled.
+@triton.jit(do_not_specialize=["num_splits", "stride_plt", "stride_plh", "stride_ns", "stride_nh", "group", "block_n"])
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, seq_lens_ptr, num_splits, num_kv_heads,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, seq_lens_ptr, num_splits,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_ns, stride_nh, group, block_n,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
     """Log-sum-exp merge of the splits of partials [i, head, :] that have tiles (the decode kernel's split rule on
     the sequence's length; the others wrote nothing) into the token's row of out/lse (ACCUMULATE: also with what
@@ -294,11 +296,8 @@ def _merge_splits_kernel(
     else:
         seq = i
     row = tl.load(cu_ptr + seq).to(tl.int64)
-    if PER_HEAD:
-        seq_len = tl.load(seq_lens_ptr + seq * num_kv_heads + head // GROUP)
-    else:
-        seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    seq_len = tl.load(seq_lens_ptr + seq * stride_ns + (head // group) * stride_nh)  # per KV head: stride_nh 1
+    num_tiles = tl.cdiv(seq_len, block_n)
     with_tiles = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -530,11 +529,12 @@ def paged_decode_attention(
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
-            part_out, part_lse, out, lse, cu_query_lens, ids, seq_lens, num_splits, num_kv_heads,
+            part_out, part_lse, out, lse, cu_query_lens, ids, seq_lens, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            seq_lens.stride(0), seq_lens.stride(1) if per_head else 0, group, block_n,
             HEAD_DIM=head_dim, SPLITS_PAD=16 if num_splits <= 16 else MAX_SPLITS, INDEXED=indexed,
-            ACCUMULATE=accumulate, GROUP=group, BLOCK_N=block_n, PER_HEAD=per_head, num_warps=4,
+            ACCUMULATE=accumulate, num_warps=4,
         )
     return out, lse
 
