@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanovllm.serving_profile import ServerProfile, find_py_spy, front_end_pids, server_processes
