@@ -188,9 +188,14 @@ class TorchPagedAttention(AttentionBackend):
         group = q.shape[1] // k_cache.shape[2]
         start = 0
         for query_len, seq_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor):
-            qi = q[start : start + query_len].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D for the fused kernels
             ki = gather_tokens(k_cache, table, seq_len, host_k, base).transpose(0, 1)[None]
             vi = gather_tokens(v_cache, table, seq_len, host_v, base).transpose(0, 1)[None]
+            if query_len == 1:  # one query sees every key: a KV head's group of query heads as its rows, no mask
+                qi = q[start].view(1, ki.shape[1], group, q.shape[-1])  # [1, Hk, group, D]
+                out[start] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).view(q.shape[1:])
+                start += 1
+                continue
+            qi = q[start : start + query_len].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D for the fused kernels
             if group > 1:  # explicit GQA expansion: SDPA's enable_gqa falls back to the slow math kernel
                 ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             if query_len == seq_len:  # no cached prefix: plain causal attention, the fastest SDPA path
