@@ -121,6 +121,7 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     front-end processes over the run (their sum and the busiest): a client at 1.0 measures itself, not the server."""
     front_ends = front_end_pids(server_pid)
     server_cpu = [process_cpu_seconds(pid) for pid in front_ends]
+    steps_before = server_steps(url)
     if processes == 1:
         results, start, end, client_cpu = client_share(url, model, prompts, out_lens, rate, seed, 0.0)
         shares = [(results, start, end, client_cpu)]
@@ -137,6 +138,9 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     duration = max(end for _, _, end, _ in shares) - min(start for _, start, _, _ in shares)
     summary = summarize(rate, [r for results, *_ in shares for r in results], duration)
     summary["client_processes"] = processes
+    steps_after = server_steps(url)
+    if steps_before is not None and steps_after is not None:
+        summary["engine_steps"] = {kind: steps_after[kind] - steps_before[kind] for kind in steps_after}
     summary["client_cpu_busy"] = sum(cpu for *_, cpu in shares) / (duration * processes)
     busy = [(process_cpu_seconds(pid) - before) / duration for pid, before in zip(front_ends, server_cpu)
             if before is not None and process_cpu_seconds(pid) is not None]
@@ -145,6 +149,21 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
         summary["server_cpu_busy_max"] = max(busy)
         summary["server_front_ends"] = len(busy)
     return summary
+
+
+def server_steps(url: str) -> dict[str, int] | None:
+    """The server's engine steps so far by kind (its /metrics), or None where it has no such metric."""
+    import httpx
+
+    from nanovllm.engine.llm_engine import STEP_KINDS
+    from nanovllm.server.metrics import parse_metrics
+
+    try:
+        metrics = parse_metrics(httpx.get(f"{url}/metrics", timeout=10, headers=auth_headers()).text)
+    except (httpx.HTTPError, ValueError):
+        return None
+    steps = {kind: metrics.get(f'nanovllm:engine_steps_total{{kind="{kind}"}}') for kind in STEP_KINDS}
+    return None if None in steps.values() else {kind: int(n) for kind, n in steps.items()}
 
 
 def wait_front_ends(server_pid: int, count: int, timeout: float = 300.0) -> None:
@@ -226,19 +245,22 @@ def offline_throughput(model: str | None, engine_options: dict, prompts, out_len
     `loads`, beside that many processes that keep a core busy each (0: alone): what the host's other work (the
     server's clients and front ends share its cores) costs the engine itself."""
     from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.llm_engine import STEP_KINDS
 
     llm = LLM(model, **engine_options)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
     runs = []
     for load in loads:
+        steps = llm.stats().steps
         with busy_cores(load):
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
         tokens = sum(len(o.token_ids) for o in outs)
         runs.append({"output_tokens": tokens, "duration_s": seconds, "output_throughput_tok_s": tokens / seconds,
-                     "busy_processes": load})
+                     "busy_processes": load,
+                     "engine_steps": dict(zip(STEP_KINDS, (b - a for a, b in zip(steps, llm.stats().steps))))})
     return runs
 
 
@@ -295,9 +317,15 @@ def vocab_size(model: str | None) -> int:
 
 
 # ---- report -------------------------------------------------------------------------------
+def _steps(run: dict) -> str:
+    """', engine steps decode / mixed / prefill a / b / c' where the run counted them."""
+    steps = run.get("engine_steps")
+    return f", engine steps {' / '.join(steps)} {' / '.join(str(n) for n in steps.values())}" if steps else ""
+
+
 def print_report(report: dict) -> None:
     peer = report["peer"]
-    print(f"\npeer: {peer['name']} = {peer['output_throughput_tok_s']:.1f} output tok/s")
+    print(f"\npeer: {peer['name']} = {peer['output_throughput_tok_s']:.1f} output tok/s{_steps(peer)}")
     loaded = report.get("peer_under_load")
     if loaded:
         print(f"      the same beside {loaded['busy_processes']} busy processes = "
@@ -314,7 +342,7 @@ def print_report(report: dict) -> None:
             busy += f", server front end {r['server_cpu_busy']:.2f}"
             if r["server_front_ends"] > 1:
                 busy += f" ({r['server_front_ends']} processes, busiest {r['server_cpu_busy_max']:.2f})"
-        print(f"       {busy}")
+        print(f"       {busy}{_steps(r)}")
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
         for role, found in r.get("profile", {}).items():

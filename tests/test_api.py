@@ -1,6 +1,7 @@
 """Options, bad inputs and sampling behaviour of the public API."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -167,3 +168,34 @@ def test_checkpoint_missing_a_projection_is_refused(tmp_path):
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks 1 tensors, e.g. \\['model.layers.1.self_attn.qkv_proj.weight'\\]"):
         LLM(str(path), num_gpu_blocks=4, device="cpu")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stats_count_the_steps_by_the_planners_kind(tiny_llama, async_scheduling):
+    """stats().steps: decode steps (every row samples its one new token: the step planner's decode plan, the one CUDA
+    graphs run), mixed and prefill-only steps, counted as the planner planned them; chunked prompts arriving while
+    others decode make all three."""
+    from nanovllm.engine.llm_engine import STEP_KINDS
+
+    llm = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=32, device="cpu",
+              async_scheduling=async_scheduling)
+    planned = {kind: 0 for kind in STEP_KINDS}
+    plan = llm.runner.planner.plan
+
+    def recording(scheduled, offloads, launched=False):
+        step = plan(scheduled, offloads, launched)
+        ends = list(itertools.accumulate(step.query_lens))
+        decode_rows = sum(n == 1 and end - 1 in step.sample_rows for n, end in zip(step.query_lens, ends))
+        kind = "decode" if step.prefill_ends is None else "prefill" if decode_rows == 0 else "mixed"
+        planned[kind] += 1
+        return step
+
+    llm.runner.planner.plan = recording
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.add_request(list(range(3, 43)), params)  # 40 tokens: two chunks
+    for step in range(12):
+        if step == 3:  # arrives while the first decodes: its chunks share steps with decode rows
+            llm.add_request(list(range(5, 60)), params)
+        llm.step()
+    counted = dict(zip(STEP_KINDS, llm.stats().steps))
+    assert counted == planned and all(counted.values()), counted

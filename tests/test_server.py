@@ -273,7 +273,8 @@ def test_metrics_are_prometheus_text(server):
         "nanovllm:generation_tokens": "counter", "nanovllm:request_success": "counter",
         "nanovllm:request_errors": "counter", "nanovllm:requests_rejected": "counter",
         "nanovllm:kv_blocks_used": "gauge", "nanovllm:kv_blocks_total": "gauge",
-        "nanovllm:host_kv_bytes_read": "counter", "nanovllm:time_to_first_token_seconds": "histogram",
+        "nanovllm:host_kv_bytes_read": "counter", "nanovllm:engine_steps": "counter",
+        "nanovllm:time_to_first_token_seconds": "histogram",
         "nanovllm:inter_token_latency_seconds": "histogram", "nanovllm:e2e_request_latency_seconds": "histogram",
         "nanovllm:request_queue_time_seconds": "histogram"}
     assert all(s.labels["model_name"] == "smollm2" for f in families.values() for s in f.samples)
@@ -292,6 +293,9 @@ def test_metrics_are_prometheus_text(server):
     assert m['nanovllm:request_success_total{finished_reason="length"}'] > 0
     assert m["nanovllm:request_queue_time_seconds_count"] == m["nanovllm:time_to_first_token_seconds_count"]
     assert m["nanovllm:num_requests_pending"] == 0 and m["nanovllm:num_requests_running"] == 0
+    steps = {kind: m[f'nanovllm:engine_steps_total{{kind="{kind}"}}'] for kind in ("decode", "mixed", "prefill")}
+    # the chats' prompts prefilled and their second tokens decoded ("Hi" is one token: its one step a decode step)
+    assert steps["prefill"] >= 2 and steps["decode"] >= 3, steps
 
 
 def test_unknown_fields_are_ignored_with_a_warning(server, client):

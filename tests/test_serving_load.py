@@ -90,6 +90,8 @@ def test_bench_client_in_several_processes_counts_every_token(server):
     assert result["completed"] == 12 and result["failed"] == 0 and result["output_tokens"] == 12 * 6
     assert result["client_processes"] == 2 and 0 < result["client_cpu_busy"] < 2
     assert 0 < result["server_cpu_busy"] and result["duration_s"] > 0
+    steps = result["engine_steps"]  # from the server's /metrics around the run: at least one step per output token
+    assert set(steps) == {"decode", "mixed", "prefill"} and sum(steps.values()) >= 6, steps
 
 
 def test_bench_duration_runs_from_the_first_send_to_the_last_response(server, monkeypatch):

@@ -10,7 +10,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanovllm.engine.llm_engine import EngineStats
+from nanovllm.engine.llm_engine import STEP_KINDS, EngineStats
 
 PREFIX = "nanovllm:"
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
@@ -32,6 +32,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._last_preemptions = 0
+        self._last_steps = (0,) * len(STEP_KINDS)
         self.running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
         self.waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.pending = self._gauge("num_requests_pending", "Requests accepted by the server and not finished.")
@@ -50,6 +51,8 @@ class ServerMetrics:
         self.blocks_used = self._labelled(Gauge, "kv_blocks_used", "KV-cache blocks in use per pool.", "pool", POOLS)
         self.blocks_total = self._labelled(Gauge, "kv_blocks_total", "KV-cache blocks per pool.", "pool", POOLS)
         self.host_bytes = self._counter("host_kv_bytes_read", "KV bytes copied from the host pool to the device.")
+        self.steps = self._labelled(Counter, "engine_steps", "Engine steps by kind: decode rows only (run in CUDA "
+                                    "graphs), mixed (prefill and decode rows), prefill rows only.", "kind", STEP_KINDS)
         self.ttft = self._histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                                     TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -85,6 +88,10 @@ class ServerMetrics:
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
+        for kind, now, before in zip(STEP_KINDS, stats.steps, self._last_steps):
+            if now > before:
+                self.steps[kind].inc(now - before)
+        self._last_steps = stats.steps
 
     def set_pending(self, pending: int) -> None:
         self.pending.set(pending)
