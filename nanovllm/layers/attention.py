@@ -191,7 +191,7 @@ class TorchPagedAttention(AttentionBackend):
             ki = gather_tokens(k_cache, table, seq_len, host_k, base).transpose(0, 1)[None]
             vi = gather_tokens(v_cache, table, seq_len, host_v, base).transpose(0, 1)[None]
             if query_len == 1:  # one query sees every key: a KV head's group of query heads as its rows, no mask
-                qi = q[start].view(1, ki.shape[1], group, q.shape[-1])  # [1, Hk, group, D]
+                qi = q[start].reshape(1, ki.shape[1], group, q.shape[-1])  # [1, Hk, group, D]
                 out[start] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).view(q.shape[1:])
                 start += 1
                 continue
