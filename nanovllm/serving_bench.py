@@ -155,7 +155,7 @@ def server_steps(url: str) -> dict[str, int] | None:
     """The server's engine steps so far by kind (its /metrics), or None where it has no such metric."""
     import httpx
 
-    from nanovllm.engine.llm_engine import STEP_KINDS
+    from nanovllm.engine.step_plan import STEP_KINDS
     from nanovllm.server.metrics import parse_metrics
 
     try:
@@ -245,7 +245,7 @@ def offline_throughput(model: str | None, engine_options: dict, prompts, out_len
     `loads`, beside that many processes that keep a core busy each (0: alone): what the host's other work (the
     server's clients and front ends share its cores) costs the engine itself."""
     from nanovllm import LLM, SamplingParams
-    from nanovllm.engine.llm_engine import STEP_KINDS
+    from nanovllm.engine.step_plan import STEP_KINDS
 
     llm = LLM(model, **engine_options)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]

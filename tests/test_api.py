@@ -173,9 +173,9 @@ def test_checkpoint_missing_a_projection_is_refused(tmp_path):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_stats_count_the_steps_by_the_planners_kind(tiny_llama, async_scheduling):
     """stats().steps: decode steps (every row samples its one new token: the step planner's decode plan, the one CUDA
-    graphs run), mixed and prefill-only steps, counted as the planner planned them; chunked prompts arriving while
+    graphs run), mixed and prefill-only steps, as the planner's plans show them; chunked prompts arriving while
     others decode make all three."""
-    from nanovllm.engine.llm_engine import STEP_KINDS
+    from nanovllm.engine.step_plan import STEP_KINDS
 
     llm = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=64, max_num_batched_tokens=32, device="cpu",
               async_scheduling=async_scheduling)

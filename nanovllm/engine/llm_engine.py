@@ -36,7 +36,7 @@ from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.model_files import eos_token_ids, generation_defaults, load_tokenizer
 from nanovllm.engine.model_runner import ModelRunner, PendingTokens
 from nanovllm.engine.request_state import RequestState, SampleState, sample_params
-from nanovllm.engine.scheduler import ScheduledSeq, Scheduler
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.kernels.compile_watch import WATCH
 from nanovllm.models.hub import resolve_model
@@ -55,10 +55,7 @@ class EngineStats:
     host_blocks_used: int  # KV blocks of the host (offload) pool in use; 0 of 0 without offload
     host_blocks_total: int
     num_preemptions: int
-    steps: tuple[int, int, int] = (0, 0, 0)  # steps run so far by kind, STEP_KINDS' order
-
-
-STEP_KINDS = ("decode", "mixed", "prefill")  # a step of decode rows only (CUDA graphs run these), of both, of prefill
+    steps: tuple[int, int, int] = (0, 0, 0)  # steps run so far by kind, STEP_KINDS' order (engine/step_plan.py)
 
 
 class StepFailed(RuntimeError):
@@ -98,7 +95,6 @@ class LLMEngine:
         self._by_seq_id: dict[int, tuple[RequestState, SampleState]] = {}
         self._ids = itertools.count()
         self._pending: tuple[PendingTokens, list[int]] | None = None  # async: launched tokens, their indices
-        self._steps = [0, 0, 0]  # by kind, STEP_KINDS' order
         self.generation_defaults = generation_defaults(model_dir) if self.config.generation_config == "auto" else {}
         if self.generation_defaults:
             logger.info("sampling defaults from %s: %s", model_dir / "generation_config.json", self.generation_defaults)
@@ -219,7 +215,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
                            bm.num_blocks, bm.num_used_host_blocks, bm.num_host_blocks, self.scheduler.num_preemptions,
-                           tuple(self._steps))
+                           tuple(self.runner.planner.steps))
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -272,7 +268,6 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress although requests are pending")
             return []
         offloads = self.block_manager.take_pending_offloads()
-        self._count_step(scheduled)
         if self.config.async_scheduling and not any(item.seq.synchronous_sampling for item in scheduled):
             return self._launch(scheduled, offloads, final_only)
         touched = []
@@ -286,11 +281,6 @@ class LLMEngine:
             sample.seq.append_token(token)
             self._after_token(req, sample, token, logprobs, final_only, touched)
         return touched
-
-    def _count_step(self, scheduled: list[ScheduledSeq]) -> None:
-        """A decode row samples its one new token (the step planner's rule: a step of them alone is a decode step)."""
-        decode_rows = sum(item.samples and item.num_new_tokens == 1 for item in scheduled)
-        self._steps[0 if decode_rows == len(scheduled) else 2 if decode_rows == 0 else 1] += 1
 
     def _launch(self, scheduled, offloads, final_only: bool) -> list[RequestState]:
         """Async: enqueue this step, then process the previous one's tokens while the device runs."""

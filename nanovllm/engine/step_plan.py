@@ -19,6 +19,10 @@ from nanovllm.layers.sampler import RowHistory
 from nanovllm.sampling_params import SamplingParams
 
 
+STEP_KINDS = ("decode", "mixed", "prefill")  # rows that each sample their one new token (decode rows) alone, beside
+# prefill rows, or prefill rows alone; the planner counts its plans by kind (`StepPlanner.steps`)
+
+
 @dataclass(frozen=True)
 class WorkerLimits:
     """What the planner must know of the worker: block size, decode graph buckets (None: no graphs),
@@ -82,6 +86,7 @@ class StepPlanner:
         self.narrowed_decode: Callable[[int, list[int]], bool] = lambda block_size, seq_lens: False
         self._last_rows: dict[int, int] = {}  # seq_id -> its row in the last launched step's sampled tokens
         self._released: list[int] = []
+        self.steps = [0] * len(STEP_KINDS)  # plans made so far by kind
 
     def release(self, seq_id: int) -> None:
         self._released.append(seq_id)
@@ -92,8 +97,10 @@ class StepPlanner:
         sampling = [item for item in scheduled if item.samples]
         if len(sampling) == len(scheduled) and all(item.num_new_tokens == 1 for item in scheduled):
             plan = self._decode_plan(seqs, offloads)
+            self.steps[0] += 1
         else:
             plan = self._mixed_plan(scheduled, offloads)
+            self.steps[1 if any(item.num_new_tokens == 1 for item in sampling) else 2] += 1
         plan.seq_ids = [s.seq_id for s in seqs]
         plan.sample_seq_ids = [item.seq.seq_id for item in sampling]
         plan.sample_params = [item.seq.params for item in sampling]

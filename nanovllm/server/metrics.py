@@ -10,7 +10,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanovllm.engine.llm_engine import STEP_KINDS, EngineStats
+from nanovllm.engine.llm_engine import EngineStats
+from nanovllm.engine.step_plan import STEP_KINDS
 
 PREFIX = "nanovllm:"
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
