@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine.step_plan import StepPlan  # noqa: E402
+from nanovllm.engine.step_plan import STEP_KINDS, StepPlan  # noqa: E402
 from nanovllm.engine.worker import StepOutput  # noqa: E402
 from nanovllm.server.engine_core import EngineLoop, _FrontEnds  # noqa: E402
 
@@ -133,17 +133,13 @@ def run_server(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> list[f
 
 
 def step_kinds(llm: LLM, num_requests: int, prompt_len: int, new_tokens: int) -> dict[str, int]:
-    """Steps of `num_requests` requests added at once, by kind: decode rows only (what the decode CUDA graphs run),
-    prefill rows only, or both (mixed: run eagerly)."""
+    """Steps of `num_requests` requests added at once, by kind (the engine's count, `stats().steps`): decode rows
+    only (what the decode CUDA graphs run), both (mixed: run eagerly), prefill rows only."""
+    before = llm.stats().steps
     add_requests(llm, num_requests, prompt_len, new_tokens, "k")
-    kinds = {"decode": 0, "prefill": 0, "mixed": 0}
     while llm.has_unfinished_requests():
-        running = llm.scheduler.running
-        prefilling = bool(llm.scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in running)
-        decoding = any(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
         llm.step_states()
-        kinds["mixed" if prefilling and decoding else "prefill" if prefilling else "decode"] += 1
-    return kinds
+    return dict(zip(STEP_KINDS, (b - a for a, b in zip(before, llm.stats().steps))))
 
 
 def summary(times: list[float]) -> dict:
