@@ -150,6 +150,38 @@ def test_reference_matches_torch_backend():
     assert lse.shape == out.shape[:2] and torch.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("max_group_tokens", [1 << 12, 200])
+def test_torch_backend_decode_rows_in_groups_match_the_reference(monkeypatch, max_group_tokens):
+    """Decode rows of very different KV lengths beside prefill rows (slots past each end hold NaN): gathered in
+    groups padded to their longest (one group per row at the smallest bound), they equal the reference."""
+    from nanovllm.layers import attention
+
+    monkeypatch.setattr(attention, "MAX_GROUP_TOKENS", max_group_tokens)
+    query_lens, seq_lens = [1, 1, 7, 1, 1, 1, 30, 1], [3, 150, 40, 17, 149, 64, 30, 1]
+    b = make_batch(query_lens, seq_lens, num_kv_heads=2, group=3, head_dim=32, block_size=16, dtype=torch.float32)
+    out, _ = paged_attention_reference(*b.args(0.17))
+    backend = get_attention_backend("torch")
+    meta = backend.build_metadata(query_lens, seq_lens, [[int(x) for x in t if x >= 0] for t in b.block_tables],
+                                  _new_token_slots(b), b.k_cache.shape[1], DEVICE)
+    torch.testing.assert_close(backend.forward(b.q, b.k_cache, b.v_cache, meta, 0.17), out, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_hold_every_row_once_within_their_bounds():
+    from nanovllm.layers.attention import MAX_GROUP_TOKENS, PAD_SLACK, _decode_groups
+
+    rng = random.Random(3)
+    seq_lens = [rng.choice([rng.randint(1, 64), rng.randint(1, 40_000)]) for _ in range(300)]
+    rows = [i for i in range(300) if i % 7]
+    groups = _decode_groups(rows, seq_lens)
+    assert sorted(i for g in groups for i in g) == rows
+    for g in groups:
+        longest = max(seq_lens[i] for i in g)
+        assert len(g) == 1 or len(g) * longest <= min(MAX_GROUP_TOKENS,
+                                                      PAD_SLACK * sum(seq_lens[i] for i in g) + 16 * len(g))
+    short = [i for i in rows if seq_lens[i] <= 64]
+    assert len(_decode_groups(short, seq_lens)) <= len(short) / 8  # short rows of similar lengths share a group
+
+
 def _new_token_slots(b: Batch) -> list[int]:
     """Cache slots of each sequence's new (last query_len) tokens."""
     bs = b.k_cache.shape[1]

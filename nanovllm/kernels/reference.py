@@ -104,7 +104,8 @@ def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     num_blocks = -(-seq_len // cache.shape[1])
     blocks = block_table[:num_blocks].to(dtype=torch.int64)
     if host_cache is None:
-        gathered = cache.index_select(0, blocks.to(cache.device))
+        flat = cache.view(cache.shape[0], -1) if cache.is_contiguous() else cache  # 2-D: torch's faster path
+        gathered = flat.index_select(0, blocks.to(cache.device)).view(-1, *cache.shape[1:])
     else:
         on_host = blocks >= host_base
         device_part = cache.index_select(0, torch.where(on_host, 0, blocks).to(cache.device))

@@ -186,14 +186,22 @@ class TorchPagedAttention(AttentionBackend):
         host_k, host_v, base = (host_kv.keys, host_kv.v, host_kv.base) if host_kv else (None, None, None)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]
-        start = 0
-        for query_len, seq_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor):
+        starts = list(itertools.accumulate(meta.query_lens, initial=0))
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1] if host_kv is None or host_kv.key_codes is None else []
+        grouped = set()
+        for rows in _decode_groups(decode, meta.seq_lens):
+            if len(rows) > 1:
+                _attend_decode_rows(q, (k_cache, v_cache), meta, scale, rows, [starts[i] for i in rows], out, host_kv)
+                grouped.update(rows)
+        for i, (query_len, seq_len, table) in enumerate(zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor)):
+            if i in grouped:
+                continue
+            start = starts[i]
             ki = gather_tokens(k_cache, table, seq_len, host_k, base).transpose(0, 1)[None]
             vi = gather_tokens(v_cache, table, seq_len, host_v, base).transpose(0, 1)[None]
             if query_len == 1:  # one query sees every key: a KV head's group of query heads as its rows, no mask
                 qi = q[start].reshape(1, ki.shape[1], group, q.shape[-1])  # [1, Hk, group, D]
                 out[start] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).view(q.shape[1:])
-                start += 1
                 continue
             qi = q[start : start + query_len].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D for the fused kernels
             if group > 1:  # explicit GQA expansion: SDPA's enable_gqa falls back to the slow math kernel
@@ -204,8 +212,68 @@ class TorchPagedAttention(AttentionBackend):
                 mask = causal_mask(query_len, seq_len, q.device)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
             out[start : start + query_len] = oi[0].transpose(0, 1)
-            start += query_len
         return out
+
+
+# Decode rows attended together gather their KV padded to the longest: a group keeps that padding small and the
+# gathered tensor small (past that, one SDPA call per row costs little next to its KV, and large fresh tensors
+# cost page faults on the CPU).
+MAX_GROUP_TOKENS = 1 << 12  # rows x longest KV length of one group
+PAD_SLACK = 1.25  # rows x longest at most this times the group's KV tokens (plus a block's worth per row)
+
+
+def _decode_groups(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """rows (decode rows, one query each) in groups of similar KV length, shortest first."""
+    groups, group, total = [], [], 0
+    for i in sorted(rows, key=seq_lens.__getitem__):
+        longest, n = seq_lens[i], len(group) + 1  # sorted: i is the longest so far
+        if group and (n * longest > MAX_GROUP_TOKENS or n * longest > PAD_SLACK * (total + longest) + 16 * n):
+            groups.append(group)
+            group, total = [], 0
+        group.append(i)
+        total += seq_lens[i]
+    return groups + [group] if group else groups
+
+
+def _attend_decode_rows(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                        scale: float, seqs: list[int], rows: list[int], out: torch.Tensor,
+                        host_kv: HostKV | None = None) -> None:
+    """Decode rows (one query each, every key visible) of the sequences seqs in one gather and one SDPA call: each
+    KV head's query heads are the rows of its [1, group] query, keys past a sequence's length masked out. host_kv
+    (without key codes): table entries >= its base name blocks of its caches."""
+    bs, num_kv_heads, head_dim = caches[0].shape[1], caches[0].shape[2], q.shape[-1]
+    length = max(meta.seq_lens[i] for i in seqs)
+    index = torch.tensor(seqs, dtype=torch.int64, device=q.device)
+    positions = torch.arange(length, device=q.device)
+    tables = meta.block_tables_tensor.index_select(0, index)[:, positions // bs]
+    visible = positions < meta.seq_lens_tensor.index_select(0, index)[:, None]
+    # Token by token (a block's unused tail is not copied); past its length a row reads its own first token again
+    # (masked out, but finite where the slot itself may hold anything).
+    tables = torch.where(visible, tables, tables[:, :1])
+    offsets = torch.where(visible, positions % bs, 0)
+    on_host = tables >= host_kv.base if host_kv is not None else None
+
+    def gather(cache: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:  # [B, Hk, length, D]
+        if on_host is None:
+            tokens = _tokens(cache, (tables * bs + offsets).flatten())
+        else:
+            device_part = _tokens(cache, torch.where(on_host, 0, tables * bs + offsets).flatten())
+            host_part = _tokens(host, torch.where(on_host, (tables - host_kv.base) * bs + offsets, 0).flatten())
+            tokens = torch.where(on_host.flatten()[:, None], host_part.to(device_part.device), device_part)
+        return tokens.view(len(seqs), length, num_kv_heads, head_dim).transpose(1, 2)
+
+    row_index = torch.tensor(rows, dtype=torch.int64, device=q.device)
+    qi = q.index_select(0, row_index).view(len(seqs), num_kv_heads, -1, head_dim)
+    keys = gather(caches[0], host_kv.k if host_kv else None)
+    values = gather(caches[1], host_kv.v if host_kv else None)
+    oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
+    out.index_copy_(0, row_index, oi.reshape(len(seqs), *q.shape[1:]))
+
+
+def _tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows [len(slots), Hk * D] of a [blocks, block_size, Hk, D] cache, by flat slot (block * block_size + offset)."""
+    flat = cache.view(-1, cache.shape[2] * cache.shape[3]) if cache.is_contiguous() else cache.flatten(0, 1)
+    return flat.index_select(0, slots.to(cache.device)).view(len(slots), -1)  # 2-D where it can: torch's faster path
 
 
 def _rows_with_keys(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
