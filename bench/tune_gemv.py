@@ -1,0 +1,104 @@
+"""Few-row linear layers (decode at batch 1-16): cuBLAS against the Triton GEMV (kernels/triton_gemv.py).
+
+For each projection of a model config (q/k/v, o, gate/up, down) and each row count, the time of one call inside a
+CUDA graph (as in the engine's decode graphs; split-K reductions included) for F.linear through cuBLAS, F.linear
+with cuBLASLt preferred, and the Triton kernel over a sweep of tiles, warps and stages (each checked against
+F.linear in float32). Prints microseconds and the weights' bytes over that time as a fraction of the measured HBM
+copy bandwidth, per shape and summed over a layer.
+
+    PYTHONPATH=. python3 bench/tune_gemv.py [--model bench/configs/llama-3.1-8b] [--rows 1 4 16] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import graph_ms, log, measure_hbm_bandwidth, require_cuda, save_results
+from nanovllm.kernels.triton_gemv import gemv
+
+
+def projections(config: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each of a decoder layer's four GEMMs."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+
+
+def cublas_ms(x: torch.Tensor, w: torch.Tensor, library: str) -> float:
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return graph_ms(lambda: F.linear(x, w))
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def sweep(x: torch.Tensor, w: torch.Tensor, grid: dict) -> list[dict]:
+    want = F.linear(x.float(), w.float())
+    rows = []
+    for block_n, block_k, warps, stages in itertools.product(*grid.values()):
+        fn = lambda: gemv(x, w, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)  # noqa: E731
+        try:
+            got = fn()
+        except Exception as exc:  # out of shared memory or registers for this combination
+            log(f"   block_n {block_n} block_k {block_k} warps {warps} stages {stages} failed: {type(exc).__name__}")
+            continue
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1.6e-2)
+        rows.append({"block_n": block_n, "block_k": block_k, "num_warps": warps, "num_stages": stages,
+                     "ms": graph_ms(fn)})
+    return sorted(rows, key=lambda r: r["ms"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "llama-3.1-8b"))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--quick", action="store_true", help="fewer launch configurations")
+    args = ap.parse_args()
+    require_cuda()
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    bandwidth = measure_hbm_bandwidth()
+    log(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; {Path(args.model).name}, bf16")
+    grid = dict(block_n=(16, 32, 64), block_k=(128, 256, 512), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
+    if args.quick:
+        grid = dict(block_n=(16, 32), block_k=(256, 512), num_warps=(4,), num_stages=(3, 4))
+    of_hbm = lambda nbytes, ms: nbytes / (ms / 1e3) / bandwidth  # noqa: E731
+    results = {"bandwidth": bandwidth, "model": Path(args.model).name, "shapes": {}}
+    for m in args.rows:
+        layer = {"cublas": 0.0, "cublaslt": 0.0, "triton": 0.0, "bytes": 0}
+        for name, (n, k) in projections(config).items():
+            g = torch.Generator("cuda").manual_seed(0)
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(torch.bfloat16)
+            nbytes = w.numel() * w.element_size()
+            peers = {library: cublas_ms(x, w, library) for library in ("cublas", "cublaslt")}
+            rows = sweep(x, w, grid)
+            best = rows[0]["ms"]
+            for key, ms in (*peers.items(), ("triton", best)):
+                layer[key] += ms
+            layer["bytes"] += nbytes
+            results["shapes"][f"{name} m={m}"] = {"n": n, "k": k, **{f"{p}_ms": ms for p, ms in peers.items()},
+                                                  "triton_best": rows[:5]}
+            log(f"{name:8s} m={m:2d} [{n}x{k}] cuBLAS {peers['cublas'] * 1e3:6.1f} us "
+                f"({of_hbm(nbytes, peers['cublas']):.0%} of HBM), cuBLASLt {peers['cublaslt'] * 1e3:6.1f} us "
+                f"({of_hbm(nbytes, peers['cublaslt']):.0%}), Triton {best * 1e3:6.1f} us ({of_hbm(nbytes, best):.0%}; "
+                f"{peers['cublas'] / best:.2f}x cuBLAS) block_n {rows[0]['block_n']} block_k {rows[0]['block_k']} "
+                f"warps {rows[0]['num_warps']} stages {rows[0]['num_stages']}")
+        log(f"layer m={m}: cuBLAS {layer['cublas'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['cublas']):.0%} of HBM),"
+            f" cuBLASLt {layer['cublaslt'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['cublaslt']):.0%}), Triton "
+            f"(best per shape) {layer['triton'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['triton']):.0%}): "
+            f"{layer['cublas'] / layer['triton']:.2f}x cuBLAS")
+        results[f"layer m={m}"] = layer
+    save_results("tune_gemv", results)
+
+
+if __name__ == "__main__":
+    main()
