@@ -21,8 +21,12 @@ from common import HERE, kind_of, log, measure_hbm_bandwidth, require_cuda, save
 from timeline import timeline_of
 from nanovllm import LLM, SamplingParams
 
-KINDS = [("attention", ("paged", "attention", "merge")), ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "matmul")),
-         ("kv store", ("index_copy", "indexcopy")), ("norm/rope/elementwise", ("elementwise", "reduce", "cat", "mean", "pow"))]
+# Our Triton kernels by name (_decode_kernel, _merge_splits_kernel, _store_kv_kernel, _rms_norm_kernel, ...), cuBLAS's
+# split-K reductions with their GEMMs.
+KINDS = [("attention", ("paged", "attention", "merge", "decode_kernel", "prefill_kernel")),
+         ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "matmul", "splitk")),
+         ("kv store", ("index_copy", "indexcopy", "store_kv")),
+         ("norm/rope/elementwise", ("norm", "rope", "silu", "elementwise", "reduce", "cat", "mean", "pow"))]
 
 
 def step_time_ms(llm: LLM, prompts: list[list[int]], steps: int) -> float:
