@@ -385,3 +385,24 @@ def test_start_up_of_an_offload_engine_runs_its_split_attention(tiny_llama, poli
                                         for d in per_head for decode_only in (False, True))
     assert len(calls) == 2 * 4 * len(per_head)  # two mixed and two decode layouts (max_model_len 512), rows and history
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
+
+
+@pytest.mark.parametrize("offload, policy", [(False, "full"), (True, "full"), (False, "quest")])
+def test_start_up_steps_run_rope_with_and_without_the_kv_store(tiny_llama, offload, policy):
+    """Device KV lets RoPE's op store k and v (its STORE variant); the offload and narrowed strategies store them in
+    attend(), so their steps take RoPE's other variant: an engine that has such steps runs both at start-up."""
+    from nanovllm import LLM
+    from nanovllm.engine.warm_up import compile_step_variants
+
+    llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=32, num_gpu_blocks=8 if offload else 32,
+              max_num_batched_tokens=64, enable_cpu_offload=offload, sparse_policy=policy, quest_dense_layers=0)
+    ops = llm.runner.worker.model.model.layers[0].self_attn.ops
+    stores, original = [], ops.qk_norm_rope
+
+    def recording(*args, store=None):
+        stores.append(store is not None)
+        return original(*args, store=store)
+    ops.qk_norm_rope = recording
+    compile_step_variants(llm.runner.worker)
+    assert True in stores
+    assert (False in stores) == (offload or policy != "full")

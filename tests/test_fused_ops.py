@@ -145,3 +145,72 @@ def test_store_kv_equals_index_copy(triton_ops, dtype, heads, head_dim):
     want[1].view(-1, heads, head_dim).index_copy_(0, slots, v)
     store_kv(k, v, cache[0], cache[1], slots)
     assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("ops_name", ["torch", "triton"])
+def test_qk_norm_rope_stores_k_and_v_as_store_kv_would(triton_ops, dtype, qk_norm, ops_name):
+    """With store, the op also writes its rotated k and the given v at the slots (strided: a column of a decode
+    graph's input rows; any order across blocks): the caches equal those store_kv makes of the returned k,
+    every other slot untouched, and q, k equal the op without store."""
+    from nanovllm.engine.kv_cache import store_kv
+
+    ops = get_layer_ops(ops_name)
+    heads, kv_heads, head_dim, tokens, blocks, block_size = 6, 2, 32, 9, 5, 16
+    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=11, scale=2.0)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
+    positions = torch.arange(tokens, device=DEVICE) * 37
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None).cos_sin(positions, dtype)
+    weights = [(rand(head_dim, dtype=torch.float32, seed=s) * 0.3 + 1.0).to(dtype) for s in (12, 13)] if qk_norm \
+        else [None, None]
+    rows = torch.zeros(tokens, 4, dtype=torch.int64, device=DEVICE)
+    rows[:, 2] = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(3))[:tokens].to(DEVICE)
+    cache = rand(2, blocks, block_size, kv_heads, head_dim, dtype=dtype, seed=14)
+    want_cache = cache.clone()
+    got_q, got_k = ops.qk_norm_rope(q, k, cos, sin, *weights, 1e-6, store=(v, cache[0], cache[1], rows[:, 2]))
+    want_q, want_k = ops.qk_norm_rope(q, k, cos, sin, *weights, 1e-6)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    store_kv(want_k, v, want_cache[0], want_cache[1], rows[:, 2])
+    assert torch.equal(cache, want_cache)
+
+
+def test_qk_norm_rope_store_errors_name_the_mismatch(triton_ops):
+    q, k, v = rand(2, 4, 16, dtype=torch.float32, seed=1), rand(2, 2, 16, dtype=torch.float32, seed=2), \
+        rand(2, 2, 16, dtype=torch.float32, seed=3)
+    cos, sin = RotaryEmbedding(16, 10000.0, None).cos_sin(torch.arange(2, device=DEVICE), torch.float32)
+    cache = rand(2, 3, 16, 2, 16, dtype=torch.float32, seed=4)
+    slots = torch.tensor([0, 5], device=DEVICE)
+    with pytest.raises(ValueError, match="v shaped as k"):
+        triton_ops.qk_norm_rope(q, k, cos, sin, None, None, 1e-6, store=(v[:, :1], cache[0], cache[1], slots))
+    with pytest.raises(ValueError, match="differ"):
+        triton_ops.qk_norm_rope(q, k, cos, sin, None, None, 1e-6, store=(v, cache[0].double(), cache[1].double(),
+                                                                          slots))
+
+
+def test_qk_norm_rope_kernel_compiles_for_sm90_without_a_gpu():
+    """The interpreter accepts code the compiler rejects: the RoPE kernel with and without the KV store, bf16,
+    Llama's heads, through Triton's own ptxas."""
+    pytest.importorskip("triton")
+    from compiled_helpers import assert_runs_compiled
+
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels.triton_fused import _qk_norm_rope_kernel as kernel
+names = kernel.arg_names
+first_constexpr = names.index("NUM_Q_HEADS")
+sig = {name: "i32" for name in names[:first_constexpr]}
+sig.update({name: "*bf16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr", "qw_ptr",
+                                       "kw_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}, slots_ptr="*i64", eps="fp32")
+sig.update({name: "constexpr" for name in names[first_constexpr:]})
+for store in (False, True):
+    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_DIM=128, HAS_NORM=False, STORE=store)
+    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 1, "enable_fp_fusion": False})
+    assert compiled.asm["cubin"]
+print("ok")
+"""
+    assert_runs_compiled(code, timeout=300)

@@ -37,6 +37,10 @@ class PagedKVCache:
         """Store new k, v [T, Hk, D] at flat slots [T], then tell the hooks."""
         k_cache, v_cache = self.layer(layer)
         store_kv(k, v, k_cache, v_cache, slots)
+        self.written(layer, k, v, slots)
+
+    def written(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v were stored at slots by the op that made them (a KVAccess.write_target): tell the hooks."""
         for hook in self.hooks:
             hook.on_write(layer, k, v, slots)
 

@@ -16,7 +16,8 @@ temperature sampling of a single row and of several: the first greedy token of a
 8 ms for the argmax kernel to load (torch.profiler, H200). An offload engine also runs its split attention
 (float32 partial results, a history pass merged in) over the mixed steps' rows and over decode rows alone (a
 mixed step's decode rows attend as a part of their own), whose kernel variants the device-only steps do not
-meet, and the pure decode steps outside the graphs that its steps over host blocks are; its start-up rows may
+meet, and the pure decode steps outside the graphs that its steps over host blocks are (and, as its strategies store K/V
+themselves, RoPE without the KV store); its start-up rows may
 be longer than its device pool, whose blocks they then read again. The selector's pass counts what it reads,
 as a request's steps do (Quest's rerank has a variant counting host keys: 541 ms on a Qwen RULER run).
 """
@@ -116,6 +117,8 @@ def compile_step_variants(worker) -> None:
         for query_lens, seq_lens in decode_step_layouts(config.max_model_len):
             for selector in selectors:
                 _mixed_step(worker, query_lens, seq_lens, selector)
+    if worker.host_pool is not None or not worker.selector.dense:  # attend() stores K/V: RoPE without the store
+        _mixed_step(worker, *decode_step_layouts(config.max_model_len)[0], kv_access=AttendStores)
     for tokens in prefill_ladder(config.max_num_batched_tokens, config.max_model_len, worker.num_blocks * worker.block_size):
         _mixed_step(worker, [tokens], [tokens])
     _cudnn_route(worker)
@@ -185,8 +188,16 @@ class EveryBlockPerHead(BlockSelector):
                 for i in range(len(batch.seq_lens))]
 
 
+class AttendStores(DeviceKV):
+    """Device KV whose attend() stores the new K/V, as the offload and narrowed strategies do (they have no write
+    target): the model's RoPE then takes its variant without the KV store."""
+
+    def write_target(self, layer: int) -> None:
+        return None
+
+
 def _mixed_step(worker, query_lens: list[int], seq_lens: list[int], selector: BlockSelector | None = None,
-                stats: SparseStats | None = None) -> torch.Tensor:
+                stats: SparseStats | None = None, kv_access: type[DeviceKV] = DeviceKV) -> torch.Tensor:
     """One forward of these rows over the pool's first blocks; the logits of each row's last token."""
     block_size = worker.block_size
     table = warm_up_table(max(seq_lens), block_size, worker.num_blocks)
@@ -195,7 +206,7 @@ def _mixed_step(worker, query_lens: list[int], seq_lens: list[int], selector: Bl
     tables = [table] * len(query_lens)
     meta = worker.backend.build_metadata(query_lens, seq_lens, tables, slots, block_size, worker.device)
     ids = torch.arange(len(positions), device=worker.device) % worker.model.config.vocab_size
-    kv = DeviceKV(worker.kv_cache, worker.backend, meta, selector, stats)
+    kv = kv_access(worker.kv_cache, worker.backend, meta, selector, stats)
     hidden = worker.model(ids, torch.tensor(positions, device=worker.device), kv)
     last_rows = torch.tensor(list(itertools.accumulate(query_lens)), device=worker.device) - 1
     return worker.model.compute_logits(hidden[last_rows])

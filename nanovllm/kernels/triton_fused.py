@@ -85,8 +85,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _norm_rope_head(src, dst, w_ptr, cos_ptr, sin_ptr, eps, dtype: tl.constexpr, HAS_NORM: tl.constexpr,
-                    HALF: tl.constexpr):
-    """One head vector: optional RMSNorm (weight w), then rotate-half RoPE with this token's cos/sin."""
+                    HALF: tl.constexpr, cache_dst, STORE: tl.constexpr):
+    """One head vector: optional RMSNorm (weight w), then rotate-half RoPE with this token's cos/sin; STORE: the
+    result also at cache_dst."""
     offs = tl.arange(0, HALF)
     x1 = tl.load(src + offs).to(tl.float32)
     x2 = tl.load(src + HALF + offs).to(tl.float32)
@@ -98,16 +99,24 @@ def _norm_rope_head(src, dst, w_ptr, cos_ptr, sin_ptr, eps, dtype: tl.constexpr,
     c2 = tl.load(cos_ptr + HALF + offs).to(tl.float32)
     s1 = tl.load(sin_ptr + offs).to(tl.float32)
     s2 = tl.load(sin_ptr + HALF + offs).to(tl.float32)
-    tl.store(dst + offs, (_round(x1 * c1, dtype) - _round(x2 * s1, dtype)).to(dtype))
-    tl.store(dst + HALF + offs, (_round(x2 * c2, dtype) + _round(x1 * s2, dtype)).to(dtype))
+    y1 = (_round(x1 * c1, dtype) - _round(x2 * s1, dtype)).to(dtype)
+    y2 = (_round(x2 * c2, dtype) + _round(x1 * s2, dtype)).to(dtype)
+    tl.store(dst + offs, y1)
+    tl.store(dst + HALF + offs, y2)
+    if STORE:
+        tl.store(cache_dst + offs, y1)
+        tl.store(cache_dst + HALF + offs, y2)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+    v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_vt, stride_vh, stride_slots, stride_cs, stride_ch,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,
 ):
+    """STORE: each KV head's rotated k and its v also into the caches (viewed [slots, Hk, D]) at the token's slot."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
@@ -116,19 +125,27 @@ def _qk_norm_rope_kernel(
     if head < NUM_Q_HEADS:
         _norm_rope_head(q_ptr + token * stride_qt + head * stride_qh,
                         q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM,
-                        qw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2)
+                        qw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2, q_out_ptr, False)
     else:
         kh = head - NUM_Q_HEADS
+        to_slot = 0
+        if STORE:
+            to_slot = tl.load(slots_ptr + token * stride_slots).to(tl.int64) * stride_cs + kh * stride_ch
+            offs = tl.arange(0, HEAD_DIM)
+            tl.store(v_cache_ptr + to_slot + offs, tl.load(v_ptr + token * stride_vt + kh * stride_vh + offs))
         _norm_rope_head(k_ptr + token * stride_kt + kh * stride_kh,
                         k_out_ptr + (token * NUM_K_HEADS + kh) * HEAD_DIM,
-                        kw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2)
+                        kw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2, k_cache_ptr + to_slot, STORE)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D] (views with unit last stride); cos, sin [T, 1, D]. Optional per-head
-    RMSNorm (both weights or neither), then RoPE. Returns new contiguous q and k."""
+    RMSNorm (both weights or neither), then RoPE. Returns new contiguous q and k. store (v [T, Hk, D], k_cache,
+    v_cache [num_blocks, block_size, Hk, D] of one layout, slots [T] of any stride): the returned k and v
+    are also written at the slots, as `store_kv` would (in the same launch)."""
     tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
@@ -140,12 +157,26 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     has_norm = q_weight is not None
     qw = q_weight if has_norm else q
     kw = k_weight if has_norm else k
+    store_args = _store_args(k, store) if store is not None else (k, k, k, k, 0, 0, 0, 0, 0)
     _qk_norm_rope_kernel[(tokens, num_q + num_k)](
         q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), sin.stride(0), NUM_Q_HEADS=num_q, NUM_K_HEADS=num_k, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        num_warps=1, enable_fp_fusion=False,
+        cos.stride(0), sin.stride(0), *store_args, NUM_Q_HEADS=num_q, NUM_K_HEADS=num_k, HEAD_DIM=head_dim,
+        HAS_NORM=has_norm, STORE=store is not None, num_warps=1, enable_fp_fusion=False,
     )
     return q_out, k_out
+
+
+def _store_args(k: torch.Tensor, store: tuple[torch.Tensor, ...]) -> tuple:
+    v, k_cache, v_cache, slots = store
+    num_heads, head_dim = k.shape[1:]
+    k_flat, v_flat = k_cache.view(-1, num_heads, head_dim), v_cache.view(-1, num_heads, head_dim)
+    if v.shape != k.shape or v.stride(-1) != 1 or k_flat.stride() != v_flat.stride() or k_flat.stride(-1) != 1:
+        raise ValueError("qk_norm_rope's store needs v shaped as k, unit strides along head_dim and caches of the "
+                         "same layout")
+    if not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"qk_norm_rope's store: k {k.dtype}, v {v.dtype} and the caches {k_cache.dtype} differ")
+    return (v, k_flat, v_flat, slots, v.stride(0), v.stride(1), slots.stride(0), k_flat.stride(0),
+            k_flat.stride(1))
 
 
 @triton.jit

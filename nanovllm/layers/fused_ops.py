@@ -31,12 +31,20 @@ class LayerOps:
         return F.silu(gate) * up
 
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D]: optional per-head RMSNorm, then rotate-half RoPE (cos, sin [T, 1, D])."""
+        """q [T, Hq, D], k [T, Hk, D]: optional per-head RMSNorm, then rotate-half RoPE (cos, sin [T, 1, D]).
+        store (v [T, Hk, D], k_cache, v_cache [num_blocks, block_size, Hk, D], slots [T]): the rotated k and v
+        also written at the caches' flat slots."""
         if q_weight is not None:
             q, k = self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if store is not None:
+            v, k_cache, v_cache, slots = store
+            k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        return q, k
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -63,8 +71,8 @@ class TritonLayerOps(LayerOps):
     def silu_and_mul(self, gate_up):
         return self.kernels.silu_and_mul(gate_up)
 
-    def qk_norm_rope(self, q, k, cos, sin, q_weight, k_weight, eps):
-        return self.kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+    def qk_norm_rope(self, q, k, cos, sin, q_weight, k_weight, eps, store=None):
+        return self.kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, store)
 
 
 _LAYER_OPS = {"torch": LayerOps, "triton": TritonLayerOps}

@@ -1,7 +1,8 @@
 """KV access: how one step's attention layers reach their KV, wherever it lives.
 
 The model calls `KVAccess.attend(layer, q, k, v, scale)` once per layer, in order; that is the only
-way it touches the KV cache. Each implementation is one strategy: `DeviceKV` here (every block in the
+way it touches the KV cache (where `write_target` names the layer's cache and slots, the op that makes k stores
+k and v there itself, and the model calls `attend_written` instead). Each implementation is one strategy: `DeviceKV` here (every block in the
 device pool), and in engine/offload/ the strategies for KV partly in pinned host memory (one pass over
 a ring slot, host pieces merged by log-sum-exp, copies staged inside CUDA graphs). Every strategy
 first stores the new K/V through `PagedKVCache.write` (the one KV-write point, with its hooks), then
@@ -13,7 +14,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,25 @@ class KVAccess(ABC):
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Store this layer's new k, v [T, Hk, D]; return attention of q [T, Hq, D] over the step's KV."""
+
+    def write_target(self, layer: int) -> WriteTarget | None:
+        """Where attend() would store this layer's new K/V, when the caller may store them itself (fused into the
+        op that makes k; then attend_written, not attend); None: attend() stores them (offload strategies order
+        the write after copies out of the device blocks it reuses)."""
+        return None
+
+    def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                       ) -> torch.Tensor:
+        """attend() once the caller stored k, v at write_target(layer)."""
+        raise NotImplementedError(f"{type(self).__name__} has no write target")
+
+
+class WriteTarget(NamedTuple):
+    """A layer's caches [num_blocks, block_size, Hk, D] and the flat slots [T] of the step's new tokens."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
 
 
 class DeviceKV(KVAccess):
@@ -64,6 +84,13 @@ class DeviceKV(KVAccess):
 
     def attend(self, layer, q, k, v, scale):
         self.cache.write(layer, k, v, self.meta.slot_mapping)
+        return self.attend_stored(layer, q, scale)
+
+    def write_target(self, layer: int) -> WriteTarget:
+        return WriteTarget(*self.cache.layer(layer), self.meta.slot_mapping)
+
+    def attend_written(self, layer, q, k, v, scale):
+        self.cache.written(layer, k, v, self.meta.slot_mapping)
         return self.attend_stored(layer, q, scale)
 
     def attend_stored(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -92,8 +92,13 @@ class Attention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         norm_weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps)
-        out = kv.attend(self.layer_idx, q, k, v, self.scale)
+        target = kv.write_target(self.layer_idx)
+        if target is None:
+            q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps)
+            out = kv.attend(self.layer_idx, q, k, v, self.scale)
+        else:  # k and v stored by the op that rotates k (one launch fewer per layer on the GPU)
+            q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps, store=(v, *target))
+            out = kv.attend_written(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.flatten(1))
 
 
