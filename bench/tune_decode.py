@@ -1,5 +1,7 @@
 """Sweep the paged decode kernel's launch parameters on decode shapes of the benchmarks; print the
-achieved bandwidth (KV bytes read / kernel time) as a fraction of the measured HBM copy bandwidth.
+achieved bandwidth (KV bytes read / kernel time) as a fraction of the measured HBM copy bandwidth. Times are
+of calls replayed in a CUDA graph, as the engine's decode graphs run them (back-to-back launches would time
+Triton's host launcher at batch 1, where the kernel takes a few microseconds).
 
     PYTHONPATH=. python3 bench/tune_decode.py [--quick]
 """
@@ -11,7 +13,7 @@ import random
 
 import torch
 
-from common import cuda_ms, log, measure_hbm_bandwidth, require_cuda, save_results
+from common import graph_ms, log, measure_hbm_bandwidth, require_cuda, save_results
 from nanovllm.kernels import triton_paged_attention as ops
 
 # (name, batch, context lengths lo..hi, query heads, KV heads); head_dim 128, bf16, 256-token blocks
@@ -60,7 +62,7 @@ def main() -> None:
     for name, batch, lengths, heads, kv_heads in SHAPES:
         inputs, kv_bytes = make_inputs(batch, lengths, heads, kv_heads)
         want = ops.paged_decode_attention(*inputs, num_splits=1)[0]
-        default_ms = cuda_ms(lambda: ops.paged_decode_attention(*inputs))
+        default_ms = graph_ms(lambda: ops.paged_decode_attention(*inputs))
         rows = []
         splits_options = (1, 2, 4) if batch >= 64 else (1, 4, 8, 16, 32, 64)
         for block_n, warps, stages, splits in itertools.product(*grid.values(), splits_options):
@@ -72,7 +74,7 @@ def main() -> None:
                 log(f"  {name}: block_n {block_n} warps {warps} stages {stages} failed: {type(exc).__name__}")
                 continue
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-            ms = cuda_ms(fn)
+            ms = graph_ms(fn)
             rows.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
                          "ms": ms, "of_hbm": kv_bytes / (ms / 1e3) / bandwidth})
         rows.sort(key=lambda r: r["ms"])
