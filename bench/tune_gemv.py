@@ -4,7 +4,9 @@ For each projection of a model config (q/k/v, o, gate/up, down) and each row cou
 CUDA graph (as in the engine's decode graphs; split-K reductions included) for F.linear through cuBLAS, F.linear
 with cuBLASLt preferred, and the Triton kernel over a sweep of tiles, warps and stages (each checked against
 F.linear in float32). Prints microseconds and the weights' bytes over that time as a fraction of the measured HBM
-copy bandwidth, per shape and summed over a layer.
+copy bandwidth, per shape and summed over a layer. Then the layer as the model runs it, with the op before each
+projection (residual add + RMSNorm before q/k/v and gate/up, SiLU * up before down): the Triton op and cuBLAS
+against the GEMV with that op fused in (the sweep's five best tiles for the shape).
 
     PYTHONPATH=. python3 bench/tune_gemv.py [--model bench/configs/llama-3.1-8b] [--rows 1 4 16] [--quick]
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from common import graph_ms, log, measure_hbm_bandwidth, require_cuda, save_results
 from nanovllm.kernels.triton_gemv import gemv
+from nanovllm.layers.fused_ops import get_layer_ops
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -57,6 +60,47 @@ def sweep(x: torch.Tensor, w: torch.Tensor, grid: dict) -> list[dict]:
     return sorted(rows, key=lambda r: r["ms"])
 
 
+def fused_layer(config: dict, m: int, tops: dict[str, list[dict]], of_hbm) -> dict:
+    """The layer's four projections each after its op: Triton op + cuBLAS against the GEMV with the op fused in."""
+    ops = get_layer_ops("triton")
+    g = torch.Generator("cuda").manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
+    total = {"separate": 0.0, "fused": 0.0, "bytes": 0}
+    for name, (n, k) in projections(config).items():
+        w = rand(n, k) / k**0.5
+        if name == "down":
+            x = rand(m, 2 * k)
+            separate = lambda: F.linear(ops.silu_and_mul(x), w)  # noqa: E731
+            prologue = dict(silu_mul=True)
+        elif name == "o":
+            x = rand(m, k)
+            separate = lambda: F.linear(x, w)  # noqa: E731
+            prologue = {}
+        else:
+            x, residual, norm_weight = rand(m, k), rand(m, k), rand(k)
+            separate = lambda: F.linear(ops.add_rms_norm(x, residual, norm_weight, 1e-5)[0], w)  # noqa: E731
+            prologue = dict(norm=(norm_weight, 1e-5), residual=residual)
+        want = separate()
+        times = []
+        for cfg in tops[name]:
+            launch = {key: cfg[key] for key in ("block_n", "block_k", "num_warps", "num_stages")}
+            fn = lambda: gemv(x, w, **launch, **prologue)  # noqa: E731
+            got = fn()
+            got = got[0] if isinstance(got, tuple) else got
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+            times.append(graph_ms(fn))
+        separate_ms, fused_ms = graph_ms(separate), min(times)
+        total["separate"] += separate_ms
+        total["fused"] += fused_ms
+        total["bytes"] += w.numel() * w.element_size()
+        log(f"  {name:8s} m={m:2d} op + cuBLAS {separate_ms * 1e3:6.1f} us, fused GEMV {fused_ms * 1e3:6.1f} us "
+            f"({separate_ms / fused_ms:.2f}x)")
+    log(f"layer m={m} with its ops: Triton ops + cuBLAS {total['separate'] * 1e3:.1f} us "
+        f"({of_hbm(total['bytes'], total['separate']):.0%} of HBM), fused GEMVs {total['fused'] * 1e3:.1f} us "
+        f"({of_hbm(total['bytes'], total['fused']):.0%}): {total['separate'] / total['fused']:.2f}x")
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "llama-3.1-8b"))
@@ -74,6 +118,7 @@ def main() -> None:
     results = {"bandwidth": bandwidth, "model": Path(args.model).name, "shapes": {}}
     for m in args.rows:
         layer = {"cublas": 0.0, "cublaslt": 0.0, "triton": 0.0, "bytes": 0}
+        tops: dict[str, list[dict]] = {}
         for name, (n, k) in projections(config).items():
             g = torch.Generator("cuda").manual_seed(0)
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
@@ -81,6 +126,7 @@ def main() -> None:
             nbytes = w.numel() * w.element_size()
             peers = {library: cublas_ms(x, w, library) for library in ("cublas", "cublaslt")}
             rows = sweep(x, w, grid)
+            tops[name] = rows[:5]
             best = rows[0]["ms"]
             for key, ms in (*peers.items(), ("triton", best)):
                 layer[key] += ms
@@ -92,8 +138,10 @@ def main() -> None:
                 f"({of_hbm(nbytes, peers['cublaslt']):.0%}), Triton {best * 1e3:6.1f} us ({of_hbm(nbytes, best):.0%}; "
                 f"{peers['cublas'] / best:.2f}x cuBLAS) block_n {rows[0]['block_n']} block_k {rows[0]['block_k']} "
                 f"warps {rows[0]['num_warps']} stages {rows[0]['num_stages']}")
-        log(f"layer m={m}: cuBLAS {layer['cublas'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['cublas']):.0%} of HBM),"
-            f" cuBLASLt {layer['cublaslt'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['cublaslt']):.0%}), Triton "
+        fused = fused_layer(config, m, tops, of_hbm)
+        results[f"fused layer m={m}"] = fused
+        log(f"layer m={m}: cuBLAS {layer['cublas'] * 1e3:.1f} us "
+            f"({of_hbm(layer['bytes'], layer['cublas']):.0%} of HBM), cuBLASLt {layer['cublaslt'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['cublaslt']):.0%}), Triton "
             f"(best per shape) {layer['triton'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['triton']):.0%}): "
             f"{layer['cublas'] / layer['triton']:.2f}x cuBLAS")
         results[f"layer m={m}"] = layer

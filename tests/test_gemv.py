@@ -58,19 +58,59 @@ def test_gemv_errors_name_the_limit(gemv):
         gemv(rand(32, 2).t(), rand(8, 32))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("k,block_k", [(96, 32), (200, 64)])
+def test_gemv_with_the_layer_op_before_it_fused(gemv, rows, k, block_k):
+    """The product of LayerOps' SiLU * up, RMSNorm, or residual add + RMSNorm (also returning the sum) of x, as the
+    separate op then F.linear compute it."""
+    from nanovllm.layers.fused_ops import LayerOps
+
+    ops, w = LayerOps(), rand(48, k, seed=8) / k**0.5
+    gate_up = rand(rows, 2 * k, seed=9) * 3
+    torch.testing.assert_close(gemv(gate_up, w, block_n=16, block_k=block_k, silu_mul=True),
+                               F.linear(ops.silu_and_mul(gate_up), w), atol=1e-5, rtol=1e-5)
+    x, residual, norm_weight = rand(rows, k, seed=10) * 2, rand(rows, k, seed=11), rand(k, seed=12) * 0.2 + 1
+    torch.testing.assert_close(gemv(x, w, block_n=16, block_k=block_k, norm=(norm_weight, 1e-6)),
+                               F.linear(ops.rms_norm(x, norm_weight, 1e-6), w), atol=1e-5, rtol=1e-5)
+    got, summed = gemv(x, w, block_n=16, block_k=block_k, norm=(norm_weight, 1e-6), residual=residual)
+    normed, want_sum = ops.add_rms_norm(x, residual, norm_weight, 1e-6)
+    torch.testing.assert_close(got, F.linear(normed, w), atol=1e-5, rtol=1e-5)
+    assert torch.equal(summed, want_sum)
+
+
+def test_gemv_prologue_errors(gemv):
+    with pytest.raises(ValueError, match="x \\[M, 2K\\]"):
+        gemv(rand(2, 32), rand(8, 32), silu_mul=True)
+    with pytest.raises(ValueError, match="one prologue"):
+        gemv(rand(2, 64), rand(8, 32), silu_mul=True, norm=(rand(32), 1e-6))
+    with pytest.raises(ValueError, match="one prologue"):
+        gemv(rand(2, 32), rand(8, 32), residual=rand(2, 32))
+    with pytest.raises(ValueError, match="shaped as x"):
+        gemv(rand(2, 32), rand(8, 32), norm=(rand(32), 1e-6), residual=rand(3, 32))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 4, 16])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_gemv_bf16_at_llama_shapes(gemv, rows, n, k):
+    from nanovllm.layers.fused_ops import get_layer_ops
+
     x, w = rand(rows, k, dtype=torch.bfloat16, seed=6), rand(n, k, dtype=torch.bfloat16, seed=7) / k**0.5
-    want = F.linear(x.float(), w.float())
-    got = gemv(x, w).float()
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(gemv(x, w).float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=1.6e-2)
+    ops = get_layer_ops("triton")
+    gate_up = rand(rows, 2 * k, dtype=torch.bfloat16, seed=8)
+    torch.testing.assert_close(gemv(gate_up, w, silu_mul=True).float(),
+                               F.linear(ops.silu_and_mul(gate_up).float(), w.float()), atol=2e-2, rtol=1.6e-2)
+    residual, norm_weight = rand(rows, k, dtype=torch.bfloat16, seed=9), rand(k, dtype=torch.bfloat16, seed=10)
+    got, summed = gemv(x, w, norm=(norm_weight, 1e-5), residual=residual)
+    normed, want_sum = ops.add_rms_norm(x, residual, norm_weight, 1e-5)
+    torch.testing.assert_close(got.float(), F.linear(normed.float(), w.float()), atol=2e-2, rtol=1.6e-2)
+    assert torch.equal(summed, want_sum)
 
 
 def test_gemv_compiles_for_sm90_without_a_gpu():
-    """bf16 with bias and without, at the tile sizes bench/tune_gemv.py sweeps, through Triton's ptxas."""
+    """bf16 with bias and without, each prologue, at tile sizes bench/tune_gemv.py sweeps, through Triton's ptxas."""
     pytest.importorskip("triton")
     code = """
 import triton
@@ -80,12 +120,16 @@ from nanovllm.kernels.triton_gemv import _gemv_kernel as kernel
 names = kernel.arg_names
 first_constexpr = names.index("BLOCK_N")
 sig = {name: "i32" for name in names[:first_constexpr]}
-sig.update(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16")
+sig.update({name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "res_out_ptr", "norm_ptr")})
+sig.update(eps="fp32")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
-for block_n, block_k, bias in ((16, 512, False), (64, 128, True)):
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, PRECISION="tf32")
+for block_n, block_k, bias, prologue, residual in ((16, 512, False, 0, False), (64, 128, True, 0, False),
+                                                  (32, 256, False, 1, False), (32, 256, False, 2, True),
+                                                  (16, 128, False, 2, False)):
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, PRECISION="tf32", PROLOGUE=prologue,
+                  HAS_RESIDUAL=residual)
     compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 3})
+                              options={"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False})
     assert compiled.asm["cubin"]
 print("ok")
 """

@@ -187,7 +187,8 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]
         starts = list(itertools.accumulate(meta.query_lens, initial=0))
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1] if host_kv is None or host_kv.key_codes is None else []
+        groupable = host_kv is None or host_kv.key_codes is None
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1] if groupable else []
         grouped = set()
         for rows in _decode_groups(decode, meta.seq_lens):
             if len(rows) > 1:

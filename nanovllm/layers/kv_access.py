@@ -1,12 +1,13 @@
 """KV access: how one step's attention layers reach their KV, wherever it lives.
 
 The model calls `KVAccess.attend(layer, q, k, v, scale)` once per layer, in order; that is the only
-way it touches the KV cache (where `write_target` names the layer's cache and slots, the op that makes k stores
-k and v there itself, and the model calls `attend_written` instead). Each implementation is one strategy: `DeviceKV` here (every block in the
-device pool), and in engine/offload/ the strategies for KV partly in pinned host memory (one pass over
-a ring slot, host pieces merged by log-sum-exp, copies staged inside CUDA graphs). Every strategy
-first stores the new K/V through `PagedKVCache.write` (the one KV-write point, with its hooks), then
-asks the step's block selector which blocks each KV head attends to.
+way it touches the KV cache (where `write_target` names the layer's caches and slots, the op that makes k
+stores k and v there itself, and the model calls `attend_written` instead). Each implementation is one
+strategy: `DeviceKV` here (every block in the device pool), and in engine/offload/ the strategies for KV
+partly in pinned host memory (one pass over a ring slot, host pieces merged by log-sum-exp, copies staged
+inside CUDA graphs). Every strategy first stores the new K/V through `PagedKVCache.write` (the one KV-write
+point, with its hooks; or tells the hooks through `PagedKVCache.written`), then asks the step's block
+selector which blocks each KV head attends to.
 """
 from __future__ import annotations
 
