@@ -3,8 +3,9 @@
 For each projection of a model config (q/k/v, o, gate/up, down) and each row count, the time of one call inside a
 CUDA graph (as in the engine's decode graphs; split-K reductions included) for F.linear through cuBLAS, F.linear
 with cuBLASLt preferred, and the Triton kernel over a sweep of tiles, warps and stages (each checked against
-F.linear in float32). Prints microseconds and the weights' bytes over that time as a fraction of the measured HBM
-copy bandwidth, per shape and summed over a layer. Then the layer as the model runs it, with the op before each
+F.linear in float32): tl.dot over rows padded to 16, and (up to 4 rows) products summed in registers. Prints
+microseconds and the weights' bytes over that time as a fraction of the measured HBM copy bandwidth, per shape
+and summed over a layer. Then the layer as the model runs it, with the op before each
 projection (residual add + RMSNorm before q/k/v and gate/up, SiLU * up before down): the Triton op and cuBLAS
 against the GEMV with that op fused in (the sweep's five best tiles for the shape).
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from common import graph_ms, log, measure_hbm_bandwidth, require_cuda, save_results
-from nanovllm.kernels.triton_gemv import gemv
+from nanovllm.kernels.triton_gemv import MAX_REGISTER_ROWS, gemv
 from nanovllm.layers.fused_ops import get_layer_ops
 
 
@@ -44,20 +45,29 @@ def cublas_ms(x: torch.Tensor, w: torch.Tensor, library: str) -> float:
         torch.backends.cuda.preferred_blas_library(previous)
 
 
-def sweep(x: torch.Tensor, w: torch.Tensor, grid: dict) -> list[dict]:
+def sweep(x: torch.Tensor, w: torch.Tensor, grids: dict[bool, dict]) -> list[dict]:
+    """grids: per use_dot (tl.dot, or products summed in registers) the launch values to try."""
     want = F.linear(x.float(), w.float())
     rows = []
-    for block_n, block_k, warps, stages in itertools.product(*grid.values()):
-        fn = lambda: gemv(x, w, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)  # noqa: E731
-        try:
-            got = fn()
-        except Exception as exc:  # out of shared memory or registers for this combination
-            log(f"   block_n {block_n} block_k {block_k} warps {warps} stages {stages} failed: {type(exc).__name__}")
+    for use_dot, grid in grids.items():
+        if not use_dot and x.shape[0] > MAX_REGISTER_ROWS:
             continue
-        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1.6e-2)
-        rows.append({"block_n": block_n, "block_k": block_k, "num_warps": warps, "num_stages": stages,
-                     "ms": graph_ms(fn)})
+        for block_n, block_k, warps, stages in itertools.product(*grid.values()):
+            launch = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, use_dot=use_dot)
+            fn = lambda: gemv(x, w, **launch)  # noqa: E731
+            try:
+                got = fn()
+            except Exception as exc:  # out of shared memory or registers for this combination
+                log(f"   {launch} failed: {type(exc).__name__}")
+                continue
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1.6e-2)
+            rows.append({**launch, "ms": graph_ms(fn)})
     return sorted(rows, key=lambda r: r["ms"])
+
+
+def describe(launch: dict) -> str:
+    return (f"{'dot' if launch['use_dot'] else 'registers'} block_n {launch['block_n']} block_k {launch['block_k']} "
+            f"warps {launch['num_warps']} stages {launch['num_stages']}")
 
 
 def fused_layer(config: dict, m: int, tops: dict[str, list[dict]], of_hbm) -> dict:
@@ -83,7 +93,7 @@ def fused_layer(config: dict, m: int, tops: dict[str, list[dict]], of_hbm) -> di
         want = separate()
         times = []
         for cfg in tops[name]:
-            launch = {key: cfg[key] for key in ("block_n", "block_k", "num_warps", "num_stages")}
+            launch = {key: cfg[key] for key in ("block_n", "block_k", "num_warps", "num_stages", "use_dot")}
             fn = lambda: gemv(x, w, **launch, **prologue)  # noqa: E731
             got = fn()
             got = got[0] if isinstance(got, tuple) else got
@@ -111,9 +121,11 @@ def main() -> None:
     config = json.loads((Path(args.model) / "config.json").read_text())
     bandwidth = measure_hbm_bandwidth()
     log(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s; {Path(args.model).name}, bf16")
-    grid = dict(block_n=(16, 32, 64), block_k=(128, 256, 512), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
+    grids = {True: dict(block_n=(16, 32, 64), block_k=(128, 256, 512), num_warps=(4, 8), num_stages=(2, 3, 4, 5)),
+             False: dict(block_n=(2, 4, 8, 16), block_k=(256, 512, 1024), num_warps=(4, 8), num_stages=(1, 2, 3))}
     if args.quick:
-        grid = dict(block_n=(16, 32), block_k=(256, 512), num_warps=(4,), num_stages=(3, 4))
+        grids = {True: dict(block_n=(16, 32), block_k=(256, 512), num_warps=(4,), num_stages=(3, 4)),
+                 False: dict(block_n=(4, 8), block_k=(512, 1024), num_warps=(4,), num_stages=(1, 2))}
     of_hbm = lambda nbytes, ms: nbytes / (ms / 1e3) / bandwidth  # noqa: E731
     results = {"bandwidth": bandwidth, "model": Path(args.model).name, "shapes": {}}
     for m in args.rows:
@@ -125,7 +137,7 @@ def main() -> None:
             w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(torch.bfloat16)
             nbytes = w.numel() * w.element_size()
             peers = {library: cublas_ms(x, w, library) for library in ("cublas", "cublaslt")}
-            rows = sweep(x, w, grid)
+            rows = sweep(x, w, grids)
             tops[name] = rows[:5]
             best = rows[0]["ms"]
             for key, ms in (*peers.items(), ("triton", best)):
@@ -136,13 +148,13 @@ def main() -> None:
             log(f"{name:8s} m={m:2d} [{n}x{k}] cuBLAS {peers['cublas'] * 1e3:6.1f} us "
                 f"({of_hbm(nbytes, peers['cublas']):.0%} of HBM), cuBLASLt {peers['cublaslt'] * 1e3:6.1f} us "
                 f"({of_hbm(nbytes, peers['cublaslt']):.0%}), Triton {best * 1e3:6.1f} us ({of_hbm(nbytes, best):.0%}; "
-                f"{peers['cublas'] / best:.2f}x cuBLAS) block_n {rows[0]['block_n']} block_k {rows[0]['block_k']} "
-                f"warps {rows[0]['num_warps']} stages {rows[0]['num_stages']}")
+                f"{peers['cublas'] / best:.2f}x cuBLAS) {describe(rows[0])}")
         fused = fused_layer(config, m, tops, of_hbm)
         results[f"fused layer m={m}"] = fused
         log(f"layer m={m}: cuBLAS {layer['cublas'] * 1e3:.1f} us "
-            f"({of_hbm(layer['bytes'], layer['cublas']):.0%} of HBM), cuBLASLt {layer['cublaslt'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['cublaslt']):.0%}), Triton "
-            f"(best per shape) {layer['triton'] * 1e3:.1f} us ({of_hbm(layer['bytes'], layer['triton']):.0%}): "
+            f"({of_hbm(layer['bytes'], layer['cublas']):.0%} of HBM), cuBLASLt {layer['cublaslt'] * 1e3:.1f} us "
+            f"({of_hbm(layer['bytes'], layer['cublaslt']):.0%}), Triton (best per shape) {layer['triton'] * 1e3:.1f} us "
+            f"({of_hbm(layer['bytes'], layer['triton']):.0%}): "
             f"{layer['cublas'] / layer['triton']:.2f}x cuBLAS")
         results[f"layer m={m}"] = layer
     save_results("tune_gemv", results)
