@@ -153,7 +153,8 @@ def main() -> None:
         results[f"fused layer m={m}"] = fused
         log(f"layer m={m}: cuBLAS {layer['cublas'] * 1e3:.1f} us "
             f"({of_hbm(layer['bytes'], layer['cublas']):.0%} of HBM), cuBLASLt {layer['cublaslt'] * 1e3:.1f} us "
-            f"({of_hbm(layer['bytes'], layer['cublaslt']):.0%}), Triton (best per shape) {layer['triton'] * 1e3:.1f} us "
+            f"({of_hbm(layer['bytes'], layer['cublaslt']):.0%}), Triton (best per shape) "
+            f"{layer['triton'] * 1e3:.1f} us "
             f"({of_hbm(layer['bytes'], layer['triton']):.0%}): "
             f"{layer['cublas'] / layer['triton']:.2f}x cuBLAS")
         results[f"layer m={m}"] = layer
