@@ -42,6 +42,7 @@ class ModelRunner:
     dtype = property(lambda self: self.worker.dtype)
     model = property(lambda self: self.worker.model)
     backend = property(lambda self: self.worker.backend)
+    layer_ops = property(lambda self: self.worker.layer_ops)
     kv_cache = property(lambda self: self.worker.kv_cache)
     graphs = property(lambda self: self.worker.graphs)
     host_pool = property(lambda self: self.worker.host_pool)

@@ -60,8 +60,8 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, config.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         self.backend = get_attention_backend(resolve_backend(config.attention_backend, self.device))
-        layer_ops = get_layer_ops("triton" if self.backend.name == "triton" else "torch")
-        self.model = build_model(config.hf_config, self.dtype, self.device, model_dir, config.seed, layer_ops, tp)
+        self.layer_ops = get_layer_ops("triton" if self.backend.name == "triton" else "torch")
+        self.model = build_model(config.hf_config, self.dtype, self.device, model_dir, config.seed, self.layer_ops, tp)
         mc = self.model.config
         self.kv_shape = (mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.bytes_per_block = PagedKVCache.bytes_per_block(*self.kv_shape, self.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 class LayerOps:
@@ -29,6 +30,20 @@ class LayerOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(x + residual)), x + residual); residual None: (linear(rms_norm(x)), x)."""
+        if residual is None:
+            return linear(self.rms_norm(x, weight, eps)), x
+        normed, summed = self.add_rms_norm(x, residual, weight, eps)
+        return linear(normed), summed
+
+    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        return linear(self.silu_and_mul(gate_up))
+
+    def linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        return linear(x)
 
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
@@ -53,14 +68,37 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class TritonLayerOps(LayerOps):
-    """Fused Triton kernels on a GPU (or the Triton interpreter)."""
+    """Fused Triton kernels on a GPU (or the Triton interpreter). gemv_rows: steps of at most this many rows run
+    their projections (one-rank nn.Linear) through the Triton GEMV with the op before each fused in (the norm, SiLU
+    * up); 0, the default: cuBLAS. Off until bench/tune_gemv.py and the latency bench time it on the H200 (a peer
+    sets it, then recaptures the decode graphs)."""
 
     name = "triton"
 
-    def __init__(self) -> None:
-        from nanovllm.kernels import triton_fused
+    def __init__(self, gemv_rows: int = 0) -> None:
+        from nanovllm.kernels import triton_fused, triton_gemv
 
         self.kernels = triton_fused
+        self.gemv = triton_gemv.gemv
+        self.gemv_rows = gemv_rows
+
+    def _through_gemv(self, x: torch.Tensor, linear: nn.Linear) -> bool:
+        return 1 <= x.shape[0] <= self.gemv_rows and type(linear) is nn.Linear and x.dtype == linear.weight.dtype
+
+    def norm_linear(self, x, residual, weight, eps, linear):
+        if not self._through_gemv(x, linear):
+            return super().norm_linear(x, residual, weight, eps, linear)
+        if residual is None:
+            return self.gemv(x, linear.weight, linear.bias, norm=(weight, eps)), x
+        return self.gemv(x, linear.weight, linear.bias, norm=(weight, eps), residual=residual)
+
+    def silu_linear(self, gate_up, linear):
+        if not self._through_gemv(gate_up, linear):
+            return super().silu_linear(gate_up, linear)
+        return self.gemv(gate_up, linear.weight, linear.bias, silu_mul=True)
+
+    def linear(self, x, linear):
+        return self.gemv(x, linear.weight, linear.bias) if self._through_gemv(x, linear) else linear(x)
 
     def rms_norm(self, x, weight, eps):
         return self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)

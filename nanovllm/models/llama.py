@@ -86,8 +86,9 @@ class Attention(nn.Module):
         self.ops = ops
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, rope, x, kv: KVAccess) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, rope, qkv: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        """qkv: the layer's q/k/v projection (made with the norm before it: `LayerOps.norm_linear`)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         else:  # k and v stored by the op that rotates k (one launch fewer per layer on the GPU)
             q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps, store=(v, *target))
             out = kv.attend_written(self.layer_idx, q, k, v, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.ops.linear(out.flatten(1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -109,8 +110,9 @@ class MLP(nn.Module):
         self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: the gate/up projection (made with the norm before it: `LayerOps.norm_linear`)."""
+        return self.ops.silu_linear(gate_up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -122,15 +124,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, rope, x, residual, kv: KVAccess) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's output, not yet added to the residual stream (None: first layer).
-        Returns this layer's MLP output and the residual stream before it; the next norm adds them."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, h, kv)
-        h, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(h), residual
+        """x: the previous layer's output, not yet added to the residual stream (residual None: first layer).
+        Returns this layer's MLP output and the residual stream before it; the next norm adds them. Each norm is
+        made together with the projection after it (one op: fused into a GEMV where the ops do that)."""
+        norm, ops = self.input_layernorm, self.self_attn.ops
+        qkv, residual = ops.norm_linear(x, residual, norm.weight, norm.eps, self.self_attn.qkv_proj)
+        x = self.self_attn(rope, qkv, kv)
+        norm = self.post_attention_layernorm
+        gate_up, residual = ops.norm_linear(x, residual, norm.weight, norm.eps, self.mlp.gate_up_proj)
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):
