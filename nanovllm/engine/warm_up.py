@@ -16,10 +16,10 @@ temperature sampling of a single row and of several: the first greedy token of a
 8 ms for the argmax kernel to load (torch.profiler, H200). An offload engine also runs its split attention
 (float32 partial results, a history pass merged in) over the mixed steps' rows and over decode rows alone (a
 mixed step's decode rows attend as a part of their own), whose kernel variants the device-only steps do not
-meet, and the pure decode steps outside the graphs that its steps over host blocks are (and, as its strategies store K/V
-themselves, RoPE without the KV store); its start-up rows may
-be longer than its device pool, whose blocks they then read again. The selector's pass counts what it reads,
-as a request's steps do (Quest's rerank has a variant counting host keys: 541 ms on a Qwen RULER run).
+meet, and the pure decode steps outside the graphs that its steps over host blocks are (and, as its strategies
+store K/V themselves, RoPE without the KV store); its start-up rows may be longer than its device pool, whose
+blocks they then read again. The selector's pass counts what it reads, as a request's steps do (Quest's rerank
+has a variant counting host keys: 541 ms on a Qwen RULER run).
 """
 from __future__ import annotations
 

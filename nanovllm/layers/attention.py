@@ -220,7 +220,7 @@ class TorchPagedAttention(AttentionBackend):
 # gathered tensor small (past that, one SDPA call per row costs little next to its KV, and large fresh tensors
 # cost page faults on the CPU).
 MAX_GROUP_TOKENS = 1 << 12  # rows x longest KV length of one group
-PAD_SLACK = 1.25  # rows x longest at most this times the group's KV tokens (plus a block's worth per row)
+PAD_SLACK = 1.25  # rows x longest at most this times the group's KV tokens (plus 16 per row)
 
 
 def _decode_groups(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
