@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue #18 on nvidia-h200 (repo root there; after `source bench/device/on_device.sh; wheels`), one part per call (each
+# under the 600 s limit), logs under $OUT:
+#   bash bench/device/speed_round.sh tests          CUDA tests of the kernels this round changed (decode split early
+#                                                   return and merge, RoPE with the KV store, GEMV) and the compile watch
+#   bash bench/device/speed_round.sh tune           tune_gemv (Llama-3.1-8B, 1 / 4 / 16 rows; cuBLAS, cuBLASLt, both
+#                                                   GEMV kinds, then the layer with its ops fused) and tune_decode
+#   bash bench/device/speed_round.sh latency OLD    batch-1 decode at 1K / 32K and batch 32 at 1K: the tree OLD (a `git
+#                                                   archive` of the commit before the round, carried as an ignored
+#                                                   folder) and this one alternating, synchronous
+#   bash bench/device/speed_round.sh latency2       this tree: async scheduling, the fused GEMVs, both
+#   bash bench/device/speed_round.sh profile        profile_decode at batch 1 (cuBLAS, fused GEMVs) and at the
+#                                                   throughput workload's batch 256 (Qwen3-0.6B shape)
+#   bash bench/device/speed_round.sh serving        the server at rate inf against the offline engine, and that peer
+#                                                   beside 10 busy processes
+set -euo pipefail
+source "$(dirname "$0")/on_device.sh"
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+here=$PWD
+quiet() { grep -v "^Triton compiled" || true; }
+latency() {  # TREE NAME ARGS...: bench/latency.py of that tree
+  local tree=$1 name=$2; shift 2
+  (cd "$tree/bench" && PYTHONPATH=$tree:/tmp/site OUT=$out/$name python3 -u latency.py --skip-hf \
+    --prefill-contexts 8192 "$@") 2>&1 | quiet | tee "$out/$name.log"
+}
+case ${1:-} in
+  tests)
+    python3 -m pytest -q -x -m cuda tests/test_kernels.py tests/test_fused_ops.py tests/test_gemv.py \
+      tests/test_compile_watch.py 2>&1 | tail -15 | tee "$out/tests.log" ;;
+  tune)
+    (cd bench && python3 -u tune_gemv.py --quick) 2>&1 | quiet | tee "$out/tune_gemv.log"
+    (cd bench && python3 -u tune_decode.py --quick) 2>&1 | quiet | tee "$out/tune_decode.log" ;;
+  latency)
+    old=$(realpath "${2:?the folder of the old tree}")
+    latency "$old" old_sync
+    latency "$here" new_sync
+    latency "$old" old_sync2 --cases 1x1024
+    latency "$here" new_sync2 --cases 1x1024 ;;
+  latency2)
+    latency "$here" new_async --async-scheduling
+    latency "$here" new_gemv --gemv-rows 16 --cases 1x1024 1x32768
+    latency "$here" new_async_gemv --async-scheduling --gemv-rows 16 --cases 1x1024 1x32768 ;;
+  profile)
+    for rows in 0 16; do
+      (cd bench && OUT=$out/profile_b1_gemv$rows python3 -u profile_decode.py --gemv-rows $rows) 2>&1 | quiet \
+        | tee "$out/profile_b1_gemv$rows.log"
+    done
+    (cd bench && OUT=$out/profile_b256 python3 -u profile_decode.py --config configs/qwen3-0.6b --batch 256 \
+      --context 600) 2>&1 | quiet | tee "$out/profile_b256.log" ;;
+  serving)
+    python3 -u bench/serving.py --request-rates inf --num-prompts 1000 --client-processes 8 --api-server-count 2 \
+      --async-scheduling --peer-cpu-load 10 2>&1 | quiet | tee "$out/serving.log" ;;
+  *) echo "bash bench/device/speed_round.sh tests|tune|latency OLD|latency2|profile|serving" >&2; exit 2 ;;
+esac
