@@ -187,13 +187,14 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]
         starts = list(itertools.accumulate(meta.query_lens, initial=0))
-        groupable = host_kv is None or host_kv.key_codes is None
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1] if groupable else []
-        grouped = set()
-        for rows in _decode_groups(decode, meta.seq_lens):
-            if len(rows) > 1:
-                _attend_decode_rows(q, (k_cache, v_cache), meta, scale, rows, [starts[i] for i in rows], out, host_kv)
-                grouped.update(rows)
+        grouped: set[int] = set()
+        if host_kv is None or host_kv.key_codes is None:
+            key = ("torch decode groups", host_kv.base if host_kv else None)  # the same for every layer of the step
+            if key not in meta.plans:
+                meta.plans[key] = _decode_plan(meta, starts, k_cache.shape[1], key[1])
+            for plan in meta.plans[key]:
+                _attend_decode_rows(q, (k_cache, v_cache), plan, scale, out, host_kv)
+                grouped.update(plan.seqs)
         for i, (query_len, seq_len, table) in enumerate(zip(meta.query_lens, meta.seq_lens, meta.block_tables_tensor)):
             if i in grouped:
                 continue
@@ -236,39 +237,66 @@ def _decode_groups(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
     return groups + [group] if group else groups
 
 
-def _attend_decode_rows(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                        scale: float, seqs: list[int], rows: list[int], out: torch.Tensor,
-                        host_kv: HostKV | None = None) -> None:
-    """Decode rows (one query each, every key visible) of the sequences seqs in one gather and one SDPA call: each
-    KV head's query heads are the rows of its [1, group] query, keys past a sequence's length masked out. host_kv
-    (without key codes): table entries >= its base name blocks of its caches."""
-    bs, num_kv_heads, head_dim = caches[0].shape[1], caches[0].shape[2], q.shape[-1]
-    length = max(meta.seq_lens[i] for i in seqs)
-    index = torch.tensor(seqs, dtype=torch.int64, device=q.device)
-    positions = torch.arange(length, device=q.device)
-    tables = meta.block_tables_tensor.index_select(0, index)[:, positions // bs]
-    visible = positions < meta.seq_lens_tensor.index_select(0, index)[:, None]
-    # Token by token (a block's unused tail is not copied); past its length a row reads its own first token again
-    # (masked out, but finite where the slot itself may hold anything).
-    tables = torch.where(visible, tables, tables[:, :1])
-    offsets = torch.where(visible, positions % bs, 0)
-    on_host = tables >= host_kv.base if host_kv is not None else None
+@dataclass
+class _DecodeGroup:
+    """Decode rows attended together (one query each, every key visible): where their tokens are, padded to the
+    longest. Past its length a row reads its own first token again (masked out, but finite where the slot itself
+    may hold anything)."""
+
+    seqs: list[int]
+    rows: torch.Tensor  # [B] their query rows
+    visible: torch.Tensor  # [B, length] keys within each row's length
+    slots: torch.Tensor  # [B * length] flat slots in the device cache (0 where on the host)
+    host_slots: torch.Tensor | None = None  # ... in the second pool, where a table entry >= its base
+    on_host: torch.Tensor | None = None  # [B * length]
+
+
+def _decode_plan(meta: AttentionMetadata, starts: list[int], block_size: int, host_base: int | None
+                 ) -> list[_DecodeGroup]:
+    """The step's decode rows in groups of at least two (a row alone takes the per-sequence path), token slots
+    gathered token by token (a block's unused tail is not copied)."""
+    device = meta.seq_lens_tensor.device
+    decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    plan = []
+    for seqs in _decode_groups(decode, meta.seq_lens):
+        if len(seqs) < 2:
+            continue
+        index = torch.tensor(seqs, dtype=torch.int64, device=device)
+        positions = torch.arange(max(meta.seq_lens[i] for i in seqs), device=device)
+        visible = positions < meta.seq_lens_tensor.index_select(0, index)[:, None]
+        tables = meta.block_tables_tensor.index_select(0, index)[:, positions // block_size]
+        tables = torch.where(visible, tables, tables[:, :1])
+        slots = tables * block_size + torch.where(visible, positions % block_size, 0)
+        group = _DecodeGroup(seqs, torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device), visible,
+                             slots.flatten())
+        if host_base is not None:
+            on_host = tables >= host_base
+            group.host_slots = torch.where(on_host, slots - host_base * block_size, 0).flatten()
+            group.slots = torch.where(on_host, 0, slots).flatten()
+            group.on_host = on_host.flatten()
+        plan.append(group)
+    return plan
+
+
+def _attend_decode_rows(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], group: _DecodeGroup,
+                        scale: float, out: torch.Tensor, host_kv: HostKV | None = None) -> None:
+    """A group's rows in one gather and one SDPA call: each KV head's query heads are the rows of its [1, group]
+    query, keys past a row's length masked out. host_kv (without key codes): the second pool of the group's
+    host slots."""
+    num_seqs, length = group.visible.shape
+    num_kv_heads, head_dim = caches[0].shape[2], q.shape[-1]
 
     def gather(cache: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:  # [B, Hk, length, D]
-        if on_host is None:
-            tokens = _tokens(cache, (tables * bs + offsets).flatten())
-        else:
-            device_part = _tokens(cache, torch.where(on_host, 0, tables * bs + offsets).flatten())
-            host_part = _tokens(host, torch.where(on_host, (tables - host_kv.base) * bs + offsets, 0).flatten())
-            tokens = torch.where(on_host.flatten()[:, None], host_part.to(device_part.device), device_part)
-        return tokens.view(len(seqs), length, num_kv_heads, head_dim).transpose(1, 2)
+        tokens = _tokens(cache, group.slots)
+        if group.on_host is not None:
+            tokens = torch.where(group.on_host[:, None], _tokens(host, group.host_slots).to(tokens.device), tokens)
+        return tokens.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
 
-    row_index = torch.tensor(rows, dtype=torch.int64, device=q.device)
-    qi = q.index_select(0, row_index).view(len(seqs), num_kv_heads, -1, head_dim)
+    qi = q.index_select(0, group.rows).view(num_seqs, num_kv_heads, -1, head_dim)
     keys = gather(caches[0], host_kv.k if host_kv else None)
     values = gather(caches[1], host_kv.v if host_kv else None)
-    oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
-    out.index_copy_(0, row_index, oi.reshape(len(seqs), *q.shape[1:]))
+    oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=group.visible[:, None, None, :], scale=scale)
+    out.index_copy_(0, group.rows, oi.reshape(num_seqs, *q.shape[1:]))
 
 
 def _tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.engine.kv_cache import store_kv
+
 
 class LayerOps:
     name = "torch"
@@ -57,8 +59,7 @@ class LayerOps:
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if store is not None:
             v, k_cache, v_cache, slots = store
-            k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+            store_kv(k, v, k_cache, v_cache, slots)
         return q, k
 
 
