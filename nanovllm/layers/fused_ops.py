@@ -71,8 +71,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TritonLayerOps(LayerOps):
     """Fused Triton kernels on a GPU (or the Triton interpreter). gemv_rows: steps of at most this many rows run
     their projections (one-rank nn.Linear) through the Triton GEMV with the op before each fused in (the norm, SiLU
-    * up); 0, the default: cuBLAS. Off until bench/tune_gemv.py and the latency bench time it on the H200 (a peer
-    sets it, then recaptures the decode graphs)."""
+    * up); 0, the default: cuBLAS. Off: on the H200 the fused prologues made batch-1 decode 3x slower
+    (docs/BENCHMARKS.md, thirty-third session); a bench peer sets it, then recaptures the decode graphs."""
 
     name = "triton"
 
