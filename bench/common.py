@@ -96,6 +96,18 @@ def timed(fn):
     return result, time.perf_counter() - t
 
 
+def set_gemv_rows(llm, rows: int | None) -> None:
+    """A bench's --gemv-rows: the rows up to which the engine's projections run through the Triton GEMV (None:
+    the engine's default), the decode graphs recaptured when it changes."""
+    ops = llm.runner.layer_ops
+    if rows is None or rows == getattr(ops, "gemv_rows", None):
+        return
+    if not hasattr(ops, "gemv_rows"):
+        raise SystemExit(f"--gemv-rows needs the Triton layer ops, the engine runs {ops.name!r}")
+    ops.gemv_rows = rows
+    llm.runner.recapture_decode_graphs()
+
+
 def save_results(name: str, results: dict) -> None:
     out = os.environ.get("OUT") or str(HERE / "results")
     Path(out).mkdir(parents=True, exist_ok=True)

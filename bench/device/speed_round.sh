@@ -3,13 +3,14 @@
 # under the 600 s limit), logs under $OUT:
 #   bash bench/device/speed_round.sh tests          CUDA tests of the kernels this round changed (decode split early
 #                                                   return and merge, RoPE with the KV store, GEMV) and the compile watch
-#   bash bench/device/speed_round.sh tune           tune_gemv (Llama-3.1-8B, 1 / 4 / 16 rows; cuBLAS, cuBLASLt, both
-#                                                   GEMV kinds, then the layer with its ops fused) and tune_decode
+#   bash bench/device/speed_round.sh tune           tune_gemv (Llama-3.1-8B, 1 / 4 rows; cuBLAS, cuBLASLt, the GEMV at
+#                                                   its tiles and swept, the engine's choice per layer) and tune_decode
 #   bash bench/device/speed_round.sh latency OLD    batch-1 decode at 1K / 32K and batch 32 at 1K: the tree OLD (a `git
 #                                                   archive` of the commit before the round, carried as an ignored
 #                                                   folder) and this one alternating, synchronous
-#   bash bench/device/speed_round.sh latency2       this tree: async scheduling, the fused GEMVs, both
-#   bash bench/device/speed_round.sh profile        profile_decode at batch 1 (cuBLAS, fused GEMVs) and at the
+#   bash bench/device/speed_round.sh latency2       this tree, async scheduling: the GEMV at 1 row (the default) and
+#                                                   cuBLAS (--gemv-rows 0) alternating
+#   bash bench/device/speed_round.sh profile        profile_decode at batch 1 (cuBLAS, the GEMV) and at the
 #                                                   throughput workload's batch 256 (Qwen3-0.6B shape)
 #   bash bench/device/speed_round.sh serving        the server at rate inf against the offline engine, and that peer
 #                                                   beside 10 busy processes
@@ -38,11 +39,12 @@ case ${1:-} in
     latency "$old" old_sync2 --cases 1x1024
     latency "$here" new_sync2 --cases 1x1024 ;;
   latency2)
-    latency "$here" new_async --async-scheduling
-    latency "$here" new_gemv --gemv-rows 16 --cases 1x1024 1x32768
-    latency "$here" new_async_gemv --async-scheduling --gemv-rows 16 --cases 1x1024 1x32768 ;;
+    for run in 1 2; do
+      latency "$here" async_gemv$run --async-scheduling --cases 1x1024 1x32768
+      latency "$here" async_cublas$run --async-scheduling --gemv-rows 0 --cases 1x1024 1x32768
+    done ;;
   profile)
-    for rows in 0 16; do
+    for rows in 0 1; do
       (cd bench && OUT=$out/profile_b1_gemv$rows python3 -u profile_decode.py --gemv-rows $rows) 2>&1 | quiet \
         | tee "$out/profile_b1_gemv$rows.log"
     done

@@ -37,12 +37,12 @@ class LayerOps:
                     linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(rms_norm(x + residual)), x + residual); residual None: (linear(rms_norm(x)), x)."""
         if residual is None:
-            return linear(self.rms_norm(x, weight, eps)), x
+            return self.linear(self.rms_norm(x, weight, eps), linear), x
         normed, summed = self.add_rms_norm(x, residual, weight, eps)
-        return linear(normed), summed
+        return self.linear(normed, linear), summed
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        return linear(self.silu_and_mul(gate_up))
+        return self.linear(self.silu_and_mul(gate_up), linear)
 
     def linear(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         return linear(x)
@@ -69,34 +69,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class TritonLayerOps(LayerOps):
-    """Fused Triton kernels on a GPU (or the Triton interpreter). gemv_rows: steps of at most this many rows run
-    their projections (one-rank nn.Linear) through the Triton GEMV with the op before each fused in (the norm, SiLU
-    * up); 0, the default: cuBLAS. Off: on the H200 the fused prologues made batch-1 decode 3x slower
-    (docs/BENCHMARKS.md, thirty-third session); a bench peer sets it, then recaptures the decode graphs."""
+    """Fused Triton kernels on a GPU (or the Triton interpreter). Steps of at most gemv_rows rows (default 1:
+    batch-1 decode) run each narrow projection (a one-rank nn.Linear with at most twice as many outputs as inputs:
+    q/k/v, o, down) through the Triton GEMV (kernels/triton_gemv.py), which reads the weights faster than
+    cuBLAS at one row; wider ones (gate/up) and larger steps keep cuBLAS. 0 turns it off (a bench peer sets it,
+    then recaptures the decode graphs)."""
 
     name = "triton"
 
-    def __init__(self, gemv_rows: int = 0) -> None:
+    def __init__(self, gemv_rows: int = 1) -> None:
         from nanovllm.kernels import triton_fused, triton_gemv
 
+        if not 0 <= gemv_rows <= triton_gemv.MAX_ROWS:
+            raise ValueError(f"gemv_rows={gemv_rows} is outside 0..{triton_gemv.MAX_ROWS}")
         self.kernels = triton_fused
         self.gemv = triton_gemv.gemv
         self.gemv_rows = gemv_rows
 
     def _through_gemv(self, x: torch.Tensor, linear: nn.Linear) -> bool:
-        return 1 <= x.shape[0] <= self.gemv_rows and type(linear) is nn.Linear and x.dtype == linear.weight.dtype
-
-    def norm_linear(self, x, residual, weight, eps, linear):
-        if not self._through_gemv(x, linear):
-            return super().norm_linear(x, residual, weight, eps, linear)
-        if residual is None:
-            return self.gemv(x, linear.weight, linear.bias, norm=(weight, eps)), x
-        return self.gemv(x, linear.weight, linear.bias, norm=(weight, eps), residual=residual)
-
-    def silu_linear(self, gate_up, linear):
-        if not self._through_gemv(gate_up, linear):
-            return super().silu_linear(gate_up, linear)
-        return self.gemv(gate_up, linear.weight, linear.bias, silu_mul=True)
+        n, k = linear.weight.shape
+        return (1 <= x.shape[0] <= self.gemv_rows and type(linear) is nn.Linear and x.dtype == linear.weight.dtype
+                and n <= 2 * k and x.stride(-1) == 1 and linear.weight.stride(1) == 1)
 
     def linear(self, x, linear):
         return self.gemv(x, linear.weight, linear.bias) if self._through_gemv(x, linear) else linear(x)
