@@ -140,7 +140,9 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     summary["client_processes"] = processes
     steps_after = server_steps(url)
     if steps_before is not None and steps_after is not None:
-        summary["engine_steps"] = {kind: steps_after[kind] - steps_before[kind] for kind in steps_after}
+        summary["engine_steps"] = {kind: int(steps_after[kind] - steps_before[kind]) for kind in steps_after
+                                   if kind != "seconds"}
+        summary["engine_step_s"] = steps_after["seconds"] - steps_before["seconds"]
     summary["client_cpu_busy"] = sum(cpu for *_, cpu in shares) / (duration * processes)
     busy = [(process_cpu_seconds(pid) - before) / duration for pid, before in zip(front_ends, server_cpu)
             if before is not None and process_cpu_seconds(pid) is not None]
@@ -151,8 +153,9 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     return summary
 
 
-def server_steps(url: str) -> dict[str, int] | None:
-    """The server's engine steps so far by kind (its /metrics), or None where it has no such metric."""
+def server_steps(url: str) -> dict[str, float] | None:
+    """The server's engine steps so far by kind and the seconds spent in them ("seconds"; its /metrics), or None
+    where it has no such metric."""
     import httpx
 
     from nanovllm.engine.step_plan import STEP_KINDS
@@ -163,7 +166,8 @@ def server_steps(url: str) -> dict[str, int] | None:
     except (httpx.HTTPError, ValueError):
         return None
     steps = {kind: metrics.get(f'nanovllm:engine_steps_total{{kind="{kind}"}}') for kind in STEP_KINDS}
-    return None if None in steps.values() else {kind: int(n) for kind, n in steps.items()}
+    steps["seconds"] = metrics.get("nanovllm:engine_step_seconds_total")
+    return None if None in steps.values() else steps
 
 
 def wait_front_ends(server_pid: int, count: int, timeout: float = 300.0) -> None:
@@ -252,15 +256,16 @@ def offline_throughput(model: str | None, engine_options: dict, prompts, out_len
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
     runs = []
     for load in loads:
-        steps = llm.stats().steps
+        before = llm.stats()
         with busy_cores(load):
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
-        tokens = sum(len(o.token_ids) for o in outs)
+        tokens, after = sum(len(o.token_ids) for o in outs), llm.stats()
         runs.append({"output_tokens": tokens, "duration_s": seconds, "output_throughput_tok_s": tokens / seconds,
                      "busy_processes": load,
-                     "engine_steps": dict(zip(STEP_KINDS, (b - a for a, b in zip(steps, llm.stats().steps))))})
+                     "engine_steps": dict(zip(STEP_KINDS, (b - a for a, b in zip(before.steps, after.steps)))),
+                     "engine_step_s": after.step_seconds - before.step_seconds})
     return runs
 
 
@@ -318,9 +323,17 @@ def vocab_size(model: str | None) -> int:
 
 # ---- report -------------------------------------------------------------------------------
 def _steps(run: dict) -> str:
-    """', engine steps decode / mixed / prefill a / b / c' where the run counted them."""
+    """', engine steps decode / mixed / prefill a / b / c in S s of the run's T s (M ms each)' where the run
+    counted them: the engine's own time per step against the time it left idle."""
     steps = run.get("engine_steps")
-    return f", engine steps {' / '.join(steps)} {' / '.join(str(n) for n in steps.values())}" if steps else ""
+    if not steps:
+        return ""
+    count = sum(steps.values())
+    text = f", engine steps {' / '.join(steps)} {' / '.join(str(int(n)) for n in steps.values())}"
+    if "engine_step_s" in run and count:
+        text += (f" in {run['engine_step_s']:.2f} s of the run's {run['duration_s']:.2f} s "
+                 f"({run['engine_step_s'] / count * 1e3:.2f} ms each)")
+    return text
 
 
 def print_report(report: dict) -> None:

@@ -274,6 +274,7 @@ def test_metrics_are_prometheus_text(server):
         "nanovllm:request_errors": "counter", "nanovllm:requests_rejected": "counter",
         "nanovllm:kv_blocks_used": "gauge", "nanovllm:kv_blocks_total": "gauge",
         "nanovllm:host_kv_bytes_read": "counter", "nanovllm:engine_steps": "counter",
+        "nanovllm:engine_step_seconds": "counter",
         "nanovllm:time_to_first_token_seconds": "histogram",
         "nanovllm:inter_token_latency_seconds": "histogram", "nanovllm:e2e_request_latency_seconds": "histogram",
         "nanovllm:request_queue_time_seconds": "histogram"}
@@ -296,6 +297,7 @@ def test_metrics_are_prometheus_text(server):
     steps = {kind: m[f'nanovllm:engine_steps_total{{kind="{kind}"}}'] for kind in ("decode", "mixed", "prefill")}
     # the chats' prompts prefilled and their second tokens decoded ("Hi" is one token: its one step a decode step)
     assert steps["prefill"] >= 2 and steps["decode"] >= 3, steps
+    assert m["nanovllm:engine_step_seconds_total"] > 0
 
 
 def test_unknown_fields_are_ignored_with_a_warning(server, client):

@@ -92,6 +92,7 @@ def test_bench_client_in_several_processes_counts_every_token(server):
     assert 0 < result["server_cpu_busy"] and result["duration_s"] > 0
     steps = result["engine_steps"]  # from the server's /metrics around the run: at least one step per output token
     assert set(steps) == {"decode", "mixed", "prefill"} and sum(steps.values()) >= 6, steps
+    assert 0 < result["engine_step_s"] < result["duration_s"]  # the engine's time in steps over the run
 
 
 def test_bench_duration_runs_from_the_first_send_to_the_last_response(server, monkeypatch):

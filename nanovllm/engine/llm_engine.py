@@ -56,6 +56,7 @@ class EngineStats:
     host_blocks_total: int
     num_preemptions: int
     steps: tuple[int, int, int] = (0, 0, 0)  # steps run so far by kind, STEP_KINDS' order (engine/step_plan.py)
+    step_seconds: float = 0.0  # wall time spent in step() so far: with the run's length, how busy the loop kept it
 
 
 class StepFailed(RuntimeError):
@@ -95,6 +96,7 @@ class LLMEngine:
         self._by_seq_id: dict[int, tuple[RequestState, SampleState]] = {}
         self._ids = itertools.count()
         self._pending: tuple[PendingTokens, list[int]] | None = None  # async: launched tokens, their indices
+        self._step_seconds = 0.0
         self.generation_defaults = generation_defaults(model_dir) if self.config.generation_config == "auto" else {}
         if self.generation_defaults:
             logger.info("sampling defaults from %s: %s", model_dir / "generation_config.json", self.generation_defaults)
@@ -215,7 +217,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
                            bm.num_blocks, bm.num_used_host_blocks, bm.num_host_blocks, self.scheduler.num_preemptions,
-                           tuple(self.runner.planner.steps))
+                           tuple(self.runner.planner.steps), self._step_seconds)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -237,6 +239,7 @@ class LLMEngine:
     def _step(self, final_only: bool) -> list[RequestState]:
         """The requests that got a token in this step, each once; final_only only those that finished (offline
         generate). Raises StepFailed after aborting a failed step's batch."""
+        started = time.perf_counter()
         try:
             touched = self._run_step(final_only)
         except TensorParallelError:
@@ -244,6 +247,8 @@ class LLMEngine:
             raise
         except Exception as e:
             raise StepFailed(self._abort_failed_batch(), e) from e
+        finally:
+            self._step_seconds += time.perf_counter() - started
         return list({id(req): req for req in touched}.values()) if len(touched) > 1 else touched
 
     def _abort_failed_batch(self) -> list[str]:

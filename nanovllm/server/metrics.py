@@ -34,6 +34,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._last_preemptions = 0
         self._last_steps = (0,) * len(STEP_KINDS)
+        self._last_step_seconds = 0.0
         self.running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
         self.waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.pending = self._gauge("num_requests_pending", "Requests accepted by the server and not finished.")
@@ -54,6 +55,8 @@ class ServerMetrics:
         self.host_bytes = self._counter("host_kv_bytes_read", "KV bytes copied from the host pool to the device.")
         self.steps = self._labelled(Counter, "engine_steps", "Engine steps by kind: decode rows only (run in CUDA "
                                     "graphs), mixed (prefill and decode rows), prefill rows only.", "kind", STEP_KINDS)
+        self.step_seconds = self._counter("engine_step_seconds", "Wall time the engine loop spent in steps "
+                                          "(its busy time: the rest it waited for requests).")
         self.ttft = self._histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                                     TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -93,6 +96,9 @@ class ServerMetrics:
             if now > before:
                 self.steps[kind].inc(now - before)
         self._last_steps = stats.steps
+        if stats.step_seconds > self._last_step_seconds:
+            self.step_seconds.inc(stats.step_seconds - self._last_step_seconds)
+            self._last_step_seconds = stats.step_seconds
 
     def set_pending(self, pending: int) -> None:
         self.pending.set(pending)
