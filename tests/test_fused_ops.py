@@ -207,10 +207,12 @@ sig.update({name: "*bf16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr
                                        "kw_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}, slots_ptr="*i64", eps="fp32")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
 for store in (False, True):
-    consts = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_DIM=128, HAS_NORM=False, STORE=store)
-    compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 1, "enable_fp_fusion": False})
-    assert compiled.asm["cubin"]
+    for heads, kv_heads, norm in ((32, 8, False), (14, 2, True)):  # Llama-3.1-8B; Qwen2.5-0.5B's pads, a norm
+        consts = dict(NUM_Q_HEADS=heads, NUM_K_HEADS=kv_heads, HEAD_DIM=128, HAS_NORM=norm, STORE=store,
+                      Q_HEADS_PAD=triton.next_power_of_2(heads), K_HEADS_PAD=triton.next_power_of_2(kv_heads))
+        compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "enable_fp_fusion": False})
+        assert compiled.asm["cubin"]
 print("ok")
 """
     assert_runs_compiled(code, timeout=300)

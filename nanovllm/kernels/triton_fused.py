@@ -84,28 +84,28 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope_head(src, dst, w_ptr, cos_ptr, sin_ptr, eps, dtype: tl.constexpr, HAS_NORM: tl.constexpr,
-                    HALF: tl.constexpr, cache_dst, STORE: tl.constexpr):
-    """One head vector: optional RMSNorm (weight w), then rotate-half RoPE with this token's cos/sin; STORE: the
-    result also at cache_dst."""
-    offs = tl.arange(0, HALF)
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + HALF + offs).to(tl.float32)
+def _norm_rope_heads(src, stride_h, dst, num_heads, w_ptr, c1, c2, s1, s2, eps, dtype: tl.constexpr,
+                     HAS_NORM: tl.constexpr, HALF: tl.constexpr, HEADS_PAD: tl.constexpr, cache_dst, stride_ch,
+                     STORE: tl.constexpr):
+    """A token's head vectors [num_heads, 2 * HALF] (stride_h apart): optional RMSNorm per head (weight w), then
+    rotate-half RoPE with the token's cos/sin halves (c1, c2, s1, s2 [1, HALF]); written contiguous at dst, and
+    with STORE also at cache_dst + head * stride_ch."""
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    offs = tl.arange(0, HALF)[None, :]
+    mask = (heads < num_heads) & (offs < HALF)
+    x1 = tl.load(src + heads * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + heads * stride_h + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         x1 = _round(tl.load(w_ptr + offs).to(tl.float32) * _round(x1 * inv_rms, dtype), dtype)
         x2 = _round(tl.load(w_ptr + HALF + offs).to(tl.float32) * _round(x2 * inv_rms, dtype), dtype)
-    c1 = tl.load(cos_ptr + offs).to(tl.float32)
-    c2 = tl.load(cos_ptr + HALF + offs).to(tl.float32)
-    s1 = tl.load(sin_ptr + offs).to(tl.float32)
-    s2 = tl.load(sin_ptr + HALF + offs).to(tl.float32)
     y1 = (_round(x1 * c1, dtype) - _round(x2 * s1, dtype)).to(dtype)
     y2 = (_round(x2 * c2, dtype) + _round(x1 * s2, dtype)).to(dtype)
-    tl.store(dst + offs, y1)
-    tl.store(dst + HALF + offs, y2)
+    tl.store(dst + heads * (2 * HALF) + offs, y1, mask=mask)
+    tl.store(dst + heads * (2 * HALF) + HALF + offs, y2, mask=mask)
     if STORE:
-        tl.store(cache_dst + offs, y1)
-        tl.store(cache_dst + HALF + offs, y2)
+        tl.store(cache_dst + heads * stride_ch + offs, y1, mask=mask)
+        tl.store(cache_dst + heads * stride_ch + HALF + offs, y2, mask=mask)
 
 
 @triton.jit
@@ -114,28 +114,32 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_vt, stride_vh, stride_slots, stride_cs, stride_ch,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
 ):
-    """STORE: each KV head's rotated k and its v also into the caches (viewed [slots, Hk, D]) at the token's slot."""
+    """One token, all its heads (the cos/sin row read once). STORE: the rotated k and the token's v also into the
+    caches (viewed [slots, Hk, D]) at the token's slot."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
-    cos = cos_ptr + token * stride_cos
-    sin = sin_ptr + token * stride_sin
-    if head < NUM_Q_HEADS:
-        _norm_rope_head(q_ptr + token * stride_qt + head * stride_qh,
-                        q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM,
-                        qw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2, q_out_ptr, False)
-    else:
-        kh = head - NUM_Q_HEADS
-        to_slot = 0
-        if STORE:
-            to_slot = tl.load(slots_ptr + token * stride_slots).to(tl.int64) * stride_cs + kh * stride_ch
-            offs = tl.arange(0, HEAD_DIM)
-            tl.store(v_cache_ptr + to_slot + offs, tl.load(v_ptr + token * stride_vt + kh * stride_vh + offs))
-        _norm_rope_head(k_ptr + token * stride_kt + kh * stride_kh,
-                        k_out_ptr + (token * NUM_K_HEADS + kh) * HEAD_DIM,
-                        kw_ptr, cos, sin, eps, dtype, HAS_NORM, HEAD_DIM // 2, k_cache_ptr + to_slot, STORE)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HALF)[None, :]
+    c1 = tl.load(cos_ptr + token * stride_cos + offs).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * stride_cos + HALF + offs).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * stride_sin + offs).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * stride_sin + HALF + offs).to(tl.float32)
+    _norm_rope_heads(q_ptr + token * stride_qt, stride_qh, q_out_ptr + token * NUM_Q_HEADS * HEAD_DIM, NUM_Q_HEADS,
+                     qw_ptr, c1, c2, s1, s2, eps, dtype, HAS_NORM, HALF, Q_HEADS_PAD,
+                     q_out_ptr, 0, False)
+    to_slot = 0
+    if STORE:
+        to_slot = tl.load(slots_ptr + token * stride_slots).to(tl.int64) * stride_cs
+        kv_heads = tl.arange(0, K_HEADS_PAD)[:, None]
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        kv_mask = (kv_heads < NUM_K_HEADS) & (dims < HEAD_DIM)
+        v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + dims, mask=kv_mask)
+        tl.store(v_cache_ptr + to_slot + kv_heads * stride_ch + dims, v, mask=kv_mask)
+    _norm_rope_heads(k_ptr + token * stride_kt, stride_kh, k_out_ptr + token * NUM_K_HEADS * HEAD_DIM, NUM_K_HEADS,
+                     kw_ptr, c1, c2, s1, s2, eps, dtype, HAS_NORM, HALF, K_HEADS_PAD,
+                     k_cache_ptr + to_slot, stride_ch, STORE)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -158,10 +162,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     qw = q_weight if has_norm else q
     kw = k_weight if has_norm else k
     store_args = _store_args(k, store) if store is not None else (k, k, k, k, 0, 0, 0, 0, 0)
-    _qk_norm_rope_kernel[(tokens, num_q + num_k)](
+    _qk_norm_rope_kernel[(tokens,)](
         q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), *store_args, NUM_Q_HEADS=num_q, NUM_K_HEADS=num_k, HEAD_DIM=head_dim,
-        HAS_NORM=has_norm, STORE=store is not None, num_warps=1, enable_fp_fusion=False,
+        HAS_NORM=has_norm, STORE=store is not None, Q_HEADS_PAD=triton.next_power_of_2(num_q),
+        K_HEADS_PAD=triton.next_power_of_2(num_k), num_warps=_warps(num_q * head_dim), enable_fp_fusion=False,
     )
     return q_out, k_out
 
