@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import math
@@ -122,6 +123,7 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     front_ends = front_end_pids(server_pid)
     server_cpu = [process_cpu_seconds(pid) for pid in front_ends]
     steps_before = server_steps(url)
+    watch = EngineWatch(url) if steps_before is not None else None
     if processes == 1:
         results, start, end, client_cpu = client_share(url, model, prompts, out_lens, rate, seed, 0.0)
         shares = [(results, start, end, client_cpu)]
@@ -135,8 +137,11 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
                                    [prompts[k::processes] for k in range(processes)],
                                    [out_lens[k::processes] for k in range(processes)], [rate / processes] * processes,
                                    [seed + k for k in range(processes)], [start_at] * processes))
-    duration = max(end for _, _, end, _ in shares) - min(start for _, start, _, _ in shares)
+    first_send, last_end = min(start for _, start, _, _ in shares), max(end for _, _, end, _ in shares)
+    duration = last_end - first_send
     summary = summarize(rate, [r for results, *_ in shares for r in results], duration)
+    if watch is not None:
+        summary["engine_busy_by_tenth"] = watch.stop(first_send, last_end)
     summary["client_processes"] = processes
     steps_after = server_steps(url)
     if steps_before is not None and steps_after is not None:
@@ -151,6 +156,40 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
         summary["server_cpu_busy_max"] = max(busy)
         summary["server_front_ends"] = len(busy)
     return summary
+
+
+class EngineWatch:
+    """The server's engine step seconds (its /metrics), polled every `period` s in a thread over a run: in which
+    part of the run the engine worked and where it waited for requests."""
+
+    def __init__(self, url: str, period: float = 0.05):
+        import threading
+
+        self.url, self.period, self.samples = url, period, []  # (wall time, engine step seconds so far)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            steps = server_steps(self.url)
+            if steps is not None:
+                self.samples.append((time.time(), steps["seconds"]))
+            self._done.wait(self.period)
+
+    def stop(self, start: float, end: float) -> list[float]:
+        """The engine's busy fraction in each tenth of [start, end] (step seconds interpolated between polls)."""
+        self._done.set()
+        self._thread.join()
+        times, seconds = [t for t, _ in self.samples], [s for _, s in self.samples]
+        if len(times) < 2:
+            return []
+        def at(t: float) -> float:
+            k = min(max(bisect.bisect_right(times, t), 1), len(times) - 1)
+            t0, t1, s0, s1 = times[k - 1], times[k], seconds[k - 1], seconds[k]
+            return s0 + (s1 - s0) * min(max((t - t0) / max(t1 - t0, 1e-9), 0.0), 1.0)
+        edges = [start + (end - start) * k / 10 for k in range(11)]
+        return [round((at(b) - at(a)) / (b - a), 3) for a, b in zip(edges, edges[1:])]  # a step counts at its end
 
 
 def server_steps(url: str) -> dict[str, float] | None:
@@ -356,6 +395,8 @@ def print_report(report: dict) -> None:
             if r["server_front_ends"] > 1:
                 busy += f" ({r['server_front_ends']} processes, busiest {r['server_cpu_busy_max']:.2f})"
         print(f"       {busy}{_steps(r)}")
+        if r.get("engine_busy_by_tenth"):
+            print(f"       engine busy by tenths of the run: {' '.join(f'{b:.2f}' for b in r['engine_busy_by_tenth'])}")
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
         for role, found in r.get("profile", {}).items():

@@ -93,6 +93,11 @@ def test_bench_client_in_several_processes_counts_every_token(server):
     steps = result["engine_steps"]  # from the server's /metrics around the run: at least one step per output token
     assert set(steps) == {"decode", "mixed", "prefill"} and sum(steps.values()) >= 6, steps
     assert 0 < result["engine_step_s"] < result["duration_s"]  # the engine's time in steps over the run
+    # polled from /metrics while the run went on: a step is counted when it ends, so a tenth shorter than a CPU
+    # step can hold more than its length; over the run they add up to the engine's step seconds
+    busy = result["engine_busy_by_tenth"]
+    assert len(busy) == 10 and min(busy) >= 0, busy
+    assert abs(sum(busy) / 10 - result["engine_step_s"] / result["duration_s"]) < 0.2, busy
 
 
 def test_bench_duration_runs_from_the_first_send_to_the_last_response(server, monkeypatch):
