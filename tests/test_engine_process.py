@@ -281,6 +281,8 @@ def test_outputs_through_the_pipe_equal_the_loop_in_this_process(tiny_llama, asy
             started = 0.0
             outputs = loop._step()
             loop.events.stepped(outputs, loop._first_scheduled(), started, llm.stats())
+            if through_pipe:
+                front_ends.sinks[0].flush(wait=True)  # written by the sink's own thread
             while through_pipe and received.poll():
                 for event in received.recv():
                     client._dispatch(steps, event)
@@ -291,3 +293,38 @@ def test_outputs_through_the_pipe_equal_the_loop_in_this_process(tiny_llama, asy
     assert piped == in_process
     assert any(len(step) > 1 for step in piped) and not any("aborted" in step for step in piped[4:])
     assert {rid for step in piped for rid, out in step.items() if out[2]} == {"plain", "logprobs", "short", "seeded"}
+
+
+def test_events_to_a_front_end_slow_to_read_never_stall_the_engine_loop():
+    """The engine loop hands each iteration's events to the front end's writer thread and goes on: with nobody
+    reading (a front end busy streaming), 20 messages each larger than a pipe's buffer leave at once (writing in
+    the loop's thread blocked on the first); read later, they arrive whole and in order, coalesced as they piled
+    up, and close() writes its last words after them."""
+    import threading
+    from multiprocessing import Pipe
+
+    from nanovllm.server.engine_core import _PipeEvents
+
+    reader, writer = Pipe(duplex=False)
+    sink = _PipeEvents(writer, skip=2)
+    payload = "x" * 100_000
+
+    def loop() -> None:
+        for k in range(20):
+            sink.released(f"0:r{k}", payload)
+            sink.flush()
+
+    engine_loop = threading.Thread(target=loop, daemon=True)
+    engine_loop.start()
+    engine_loop.join(timeout=5)
+    assert not engine_loop.is_alive(), "the engine loop blocked on a front end that does not read"
+    got = []
+    while len(got) < 20:
+        got += reader.recv()
+    assert got == [("released", f"r{k}", payload) for k in range(20)]
+    sink.close([("stopped",)])
+    assert reader.recv() == [("stopped",)]
+    sink.released("0:late", "finish")
+    sink.flush()  # after close: dropped, no error
+    with pytest.raises(EOFError):  # nothing more, and the pipe closed
+        reader.recv()

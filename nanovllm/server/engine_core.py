@@ -461,16 +461,23 @@ class _Rebuilt:
 
 
 class _PipeEvents:
-    """One front end's CoreEvents in the engine process: buffered, sent as one message per loop iteration. Request
-    ids lose the front end's prefix of `skip` characters on the way. A front end gone quietly drops its events."""
+    """One front end's CoreEvents in the engine process: buffered per loop iteration, then written to the pipe by a
+    thread of their own, so that a front end slow to read (busy streaming) never stalls the engine loop; what
+    piles up meanwhile goes as one message. Request ids lose the front end's prefix of `skip` characters on the
+    way. A front end gone quietly drops its events."""
 
     def __init__(self, connection: Connection, skip: int):
         self.connection = connection
         self.skip = skip
         self.closed = False
-        self._lock = threading.Lock()  # flush (the engine loop) against close (the thread receiving commands)
         self._buffer: list[tuple] = []
         self._sent: dict[str, list[int]] = {}  # request id -> [tokens, logprobs, host bytes] sent
+        self._cond = threading.Condition()  # guards the outbox, `closed` and `_closing`
+        self._outbox: list[tuple] = []  # flushed, not yet written
+        self._writing = False  # the writer holds events taken from the outbox
+        self._closing = False
+        self._writer = threading.Thread(target=self._write, name="nanovllm-events", daemon=True)
+        self._writer.start()
 
     def accepted(self, request_id: str) -> None:
         self._buffer.append(("accepted", request_id[self.skip:]))
@@ -512,32 +519,57 @@ class _PipeEvents:
 
     def fatal(self, error: BaseException) -> None:
         self._buffer.append(("fatal", RuntimeError(f"the engine failed: {error!r}")))
-        self.flush()
+        self.flush(wait=True)
 
     def stopped(self) -> None:
         self._buffer.append(("stopped",))
-        self.flush()
+        self.flush(wait=True)
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = False) -> None:
+        """Hand the buffer to the writer; wait: until it is written (the process is about to end)."""
         buffer, self._buffer = self._buffer, []
-        with self._lock:
+        with self._cond:
             if self.closed:
                 return
-            try:
-                self.connection.send(buffer)
-            except OSError:  # the front end is gone; the thread receiving its commands aborts its requests
-                self.closed = True
+            self._outbox += buffer
+            self._cond.notify_all()
+            while wait and (self._outbox or self._writing) and not self.closed:
+                self._cond.wait()
 
     def close(self, last_words: list[tuple]) -> None:
-        """Send `last_words` (unless gone) and nothing more."""
-        with self._lock:
-            if not self.closed and last_words:
-                try:
-                    self.connection.send(last_words)
-                except OSError:
-                    pass
-            self.closed = True
-            self.connection.close()
+        """Write what is pending and `last_words` (unless gone), then nothing more."""
+        with self._cond:
+            if not self.closed:
+                self._outbox += last_words
+            self._closing = True
+            self._cond.notify_all()
+        self._writer.join()
+        self.connection.close()
+
+    def _write(self) -> None:
+        while True:
+            with self._cond:
+                while not self._outbox and not self._closing:
+                    self._cond.wait()
+                events, self._outbox = self._outbox, []
+                if not events:  # closing and nothing left
+                    self.closed = True
+                    self._cond.notify_all()
+                    return
+                self._writing = True
+            try:
+                self.connection.send(events)
+            except Exception as e:  # noqa: BLE001 - OSError: the front end is gone (the thread receiving its
+                if not isinstance(e, OSError):  # commands aborts its requests); else a bug: nothing more is sent
+                    log.exception("events to a front end could not be sent; it hears nothing more")
+                with self._cond:
+                    self.closed, self._outbox = True, []
+                    self._cond.notify_all()
+                return
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
 
     def _delta(self, state: RequestState) -> tuple:
         """(id, new tokens, their logprobs, finish reason, metrics, prompt logprobs) of the request's first
