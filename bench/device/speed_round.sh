@@ -12,8 +12,9 @@
 #                                                   cuBLAS (--gemv-rows 0) alternating
 #   bash bench/device/speed_round.sh profile        profile_decode at batch 1 (cuBLAS, the GEMV) and at the
 #                                                   throughput workload's batch 256 (Qwen3-0.6B shape)
-#   bash bench/device/speed_round.sh serving        the server at rate inf against the offline engine, and that peer
-#                                                   beside 10 busy processes
+#   bash bench/device/speed_round.sh serving [OLD]  the server at rate inf against the offline engine (its time in
+#                                                   steps, busy by tenths); with OLD that tree's server and this one's
+#                                                   alternating, twice (the offline peer only in the first run)
 set -euo pipefail
 source "$(dirname "$0")/on_device.sh"
 out=${OUT:-/tmp/out}
@@ -51,7 +52,18 @@ case ${1:-} in
     (cd bench && OUT=$out/profile_b256 python3 -u profile_decode.py --config configs/qwen3-0.6b --batch 256 \
       --context 600) 2>&1 | quiet | tee "$out/profile_b256.log" ;;
   serving)
-    python3 -u bench/serving.py --request-rates inf --num-prompts 1000 --client-processes 8 --api-server-count 2 \
-      --async-scheduling --peer-cpu-load 10 2>&1 | quiet | tee "$out/serving.log" ;;
-  *) echo "bash bench/device/speed_round.sh tests|tune|latency OLD|latency2|profile|serving" >&2; exit 2 ;;
+    serve() {  # TREE NAME ARGS...
+      local tree=$1 name=$2; shift 2
+      (cd "$tree" && PYTHONPATH=$tree:/tmp/site python3 -u bench/serving.py --request-rates inf --num-prompts 1000 \
+        --client-processes 8 --api-server-count 2 --async-scheduling --output-dir "$out" --name "$name" "$@") 2>&1 \
+        | quiet | tee "$out/$name.log"
+    }
+    serve "$here" serving_new
+    if [ -n "${2:-}" ]; then
+      old=$(realpath "$2")
+      serve "$old" serving_old --no-offline
+      serve "$here" serving_new2 --no-offline
+      serve "$old" serving_old2 --no-offline
+    fi ;;
+  *) echo "bash bench/device/speed_round.sh tests|tune|latency OLD|latency2|profile|serving [OLD]" >&2; exit 2 ;;
 esac
