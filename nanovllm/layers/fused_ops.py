@@ -87,9 +87,11 @@ class TritonLayerOps(LayerOps):
         self.gemv_rows = gemv_rows
 
     def _through_gemv(self, x: torch.Tensor, linear: nn.Linear) -> bool:
-        n, k = linear.weight.shape
-        return (1 <= x.shape[0] <= self.gemv_rows and type(linear) is nn.Linear and x.dtype == linear.weight.dtype
-                and n <= 2 * k and x.stride(-1) == 1 and linear.weight.stride(1) == 1)
+        if not 1 <= x.shape[0] <= self.gemv_rows or type(linear) is not nn.Linear:  # most calls end here
+            return False
+        weight = linear.weight
+        return (weight.shape[0] <= 2 * weight.shape[1] and x.dtype == weight.dtype and x.stride(-1) == 1
+                and weight.stride(1) == 1)
 
     def linear(self, x, linear):
         return self.gemv(x, linear.weight, linear.bias) if self._through_gemv(x, linear) else linear(x)
