@@ -3,7 +3,7 @@ achieved bandwidth (KV bytes read / kernel time) as a fraction of the measured H
 of calls replayed in a CUDA graph, as the engine's decode graphs run them (back-to-back launches would time
 Triton's host launcher at batch 1, where the kernel takes a few microseconds).
 
-    PYTHONPATH=. python3 bench/tune_decode.py [--quick]
+    PYTHONPATH=. python3 bench/tune_decode.py [--quick] [--shapes b1 b32] [--block-n 64 128] [--splits 1 16 64]
 """
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ SHAPES = [
     ("llama-8b b1 1K", 1, (1024, 1024), 32, 8, 32768 + 64 + 16),  # latency.py
     ("llama-8b b1 32K", 1, (32768, 32768), 32, 8, 32768 + 64 + 16),
     ("llama-8b b32 1K", 32, (1024, 1024), 32, 8, 32768 + 64 + 16),
+    ("llama-8b b32 32K", 32, (32768, 32768), 32, 8, 32768 + 64 + 16),
+    ("llama-8b b16 1K", 16, (1024, 1024), 32, 8, 32768 + 64 + 16),
+    ("llama-8b b4 32K", 4, (32768, 32768), 32, 8, 32768 + 64 + 16),
 ]
 BLOCK = 256
 HEAD_DIM = 128
@@ -53,6 +56,12 @@ def make_inputs(batch: int, lengths: tuple[int, int], heads: int, kv_heads: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer launch configurations")
+    ap.add_argument("--shapes", nargs="+", default=None, help="only shapes whose name contains one of these")
+    ap.add_argument("--block-n", type=int, nargs="+", help="only these KV tile sizes")
+    ap.add_argument("--warps", type=int, nargs="+", help="only these warp counts")
+    ap.add_argument("--stages", type=int, nargs="+", help="only these pipeline depths")
+    ap.add_argument("--splits", type=int, nargs="+", help="only these split counts (else by batch)")
+    ap.add_argument("--top", type=int, default=8, help="rows printed per shape")
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
@@ -60,13 +69,17 @@ def main() -> None:
     grid = dict(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))
     if args.quick:
         grid = dict(block_n=(64, 128), num_warps=(4,), num_stages=(2, 3))
+    for key, chosen in (("block_n", args.block_n), ("num_warps", args.warps), ("num_stages", args.stages)):
+        grid[key] = tuple(chosen or grid[key])
     results = {}
     for name, batch, lengths, heads, kv_heads, max_model_len in SHAPES:
+        if args.shapes and not any(part in name for part in args.shapes):
+            continue
         inputs, kv_bytes = make_inputs(batch, lengths, heads, kv_heads, max_model_len)
         want = ops.paged_decode_attention(*inputs, num_splits=1)[0]
         default_ms = graph_ms(lambda: ops.paged_decode_attention(*inputs))
         rows = []
-        splits_options = (1, 2, 4) if batch >= 64 else (1, 4, 8, 16, 32, 64)
+        splits_options = args.splits or ((1, 2, 4) if batch >= 64 else (1, 4, 8, 16, 32, 64))
         for block_n, warps, stages, splits in itertools.product(*grid.values(), splits_options):
             fn = lambda: ops.paged_decode_attention(*inputs, num_splits=splits, block_n=block_n,  # noqa: E731
                                                     num_warps=warps, num_stages=stages)
@@ -81,9 +94,9 @@ def main() -> None:
                          "ms": ms, "of_hbm": kv_bytes / (ms / 1e3) / bandwidth})
         rows.sort(key=lambda r: r["ms"])
         results[name] = {"default_ms": default_ms, "default_of_hbm": kv_bytes / (default_ms / 1e3) / bandwidth,
-                         "best": rows[:8]}
+                         "best": rows[: args.top]}
         log(f"{name}: the engine's launch {default_ms * 1e3:.0f} us ({results[name]['default_of_hbm']:.0%} of HBM)")
-        for r in rows[:8]:
+        for r in rows[: args.top]:
             log(f"   {r['ms'] * 1e3:7.0f} us {r['of_hbm']:5.0%}  block_n {r['block_n']} warps {r['num_warps']} "
                 f"stages {r['num_stages']} splits {r['num_splits']}")
     save_results("tune_decode", results)

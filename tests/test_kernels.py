@@ -318,6 +318,15 @@ def test_decode_splits_including_empty_ones(ops, num_splits):
     assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=num_splits, block_n=16), want, torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [17, 40, 64])
+def test_decode_merge_reads_more_splits_than_one_chunk(ops, num_splits):
+    """Rows of 1, 300 and 1,000 keys in 16-key tiles over up to 64 splits: the long row's splits with keys
+    (32 of 40) take the merge's chunk of 16 splits twice or more, the short ones once or (1 key) read one."""
+    b = make_batch([1] * 3, [1, 300, 1000], 2, 4, 64, 16, torch.float32, seed=num_splits)
+    want = paged_attention_reference(*b.args(0.125))
+    assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=num_splits, block_n=16), want, torch.float32)
+
+
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("block_m,block_n,block_size", [(16, 16, 16), (32, 16, 64), (128, 64, 64), (64, 32, 32)])
 def test_prefill_tile_shapes(ops, block_m, block_n, block_size, tma):
@@ -779,7 +788,7 @@ sig = {name: "i32" for name in names[:first_constexpr]}
 sig.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", cu_ptr="*i32",
            seq_ids_ptr="*i32", seq_lens_ptr="*i32")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
-consts = dict(HEAD_DIM=128, SPLITS_PAD=64, INDEXED=False, ACCUMULATE=True)
+consts = dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=True)
 compiled = triton.compile(ASTSource(merge, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 assert compiled.asm["cubin"]
 print("ok")

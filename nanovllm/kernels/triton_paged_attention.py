@@ -56,6 +56,7 @@ _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 MIN_TILES_PER_SPLIT = 4  # a decode split reads at least this many KV tiles (when the bound allows)
 MAX_SPLITS = 64
 WAVES = 4  # decode aims for this many programs per SM
+MERGE_CHUNK: tl.constexpr = tl.constexpr(16)  # splits the merge reads at a time
 # decode reading pinned host memory in place: bench/tune_host_decode.py on the H200 (80 / 160 16-token pages
 # per KV head, batch 1 and 4) had 16 splits fastest everywhere, 1.55x one tile per split (64) at 80 pages
 HOST_READ_SPLITS = 16
@@ -284,11 +285,12 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, seq_lens_ptr, num_splits,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_ns, stride_nh, group, block_n,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Log-sum-exp merge of the splits of partials [i, head, :] that have tiles (the decode kernel's split rule on
     the sequence's length; the others wrote nothing) into the token's row of out/lse (ACCUMULATE: also with what
-    that row holds). No split with tiles: out 0, lse -inf (ACCUMULATE: the row unchanged)."""
+    that row holds). No split with tiles: out 0, lse -inf (ACCUMULATE: the row unchanged). The splits are read
+    MERGE_CHUNK at a time, as many as have tiles: a short row in a graph launched for long ones reads few."""
     i = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if INDEXED:
@@ -299,20 +301,28 @@ def _merge_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + seq * stride_ns + (head // group) * stride_nh)  # per KV head: stride_nh 1
     num_tiles = tl.cdiv(seq_len, block_n)
     with_tiles = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < with_tiles
-    part_lse = tl.load(part_lse_ptr + i * stride_plt + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
-    peak = tl.max(part_lse, 0)
-    peak = tl.where(peak == float("-inf"), 0.0, peak)  # a sequence without keys: all parts empty
-    weight = tl.exp(part_lse - peak)
-    total = tl.sum(weight, 0)
-    parts = tl.load(part_out_ptr + i * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=s_mask[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    lse_row = part_lse_ptr + i * stride_plt + head * stride_plh
+    out_row = part_out_ptr + i * stride_pt + head * stride_ph
+    peak = tl.full([], float("-inf"), tl.float32)  # the largest lse so far
+    total = tl.zeros([], dtype=tl.float32)  # sum of exp(lse - peak)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)  # sum of exp(lse - peak) * out
+    for first in range(0, with_tiles, MERGE_CHUNK):
+        offs_s = first + tl.arange(0, MERGE_CHUNK)
+        s_mask = offs_s < with_tiles
+        part_lse = tl.load(lse_row + offs_s, mask=s_mask, other=float("-inf"))
+        new_peak = tl.maximum(peak, tl.max(part_lse, 0))
+        base = tl.where(new_peak == float("-inf"), 0.0, new_peak)  # no keys yet: avoid -inf - -inf
+        rescale = tl.exp(peak - base)
+        weight = tl.exp(part_lse - base)
+        parts = tl.load(out_row + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        total = total * rescale + tl.sum(weight, 0)
+        acc = acc * rescale + tl.sum(parts * weight[:, None], 0)
+        peak = new_peak
+    out = acc / tl.where(total > 0.0, total, 1.0)
     out_dst = out_ptr + row * stride_ot + head * stride_oh + offs_d
     lse_dst = lse_ptr + row * stride_lt + head * stride_lh
-    lse = peak + tl.log(total)
+    lse = tl.where(total > 0.0, peak + tl.log(total), float("-inf"))
     if ACCUMULATE:
         prev_out = tl.load(out_dst).to(tl.float32)
         w_prev, w_new, lse = _lse_weights(tl.load(lse_dst), lse)
@@ -533,7 +543,7 @@ def paged_decode_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             seq_lens.stride(0), seq_lens.stride(1) if per_head else 0, group, block_n,
-            HEAD_DIM=head_dim, SPLITS_PAD=16 if num_splits <= 16 else MAX_SPLITS, INDEXED=indexed,
+            HEAD_DIM=head_dim, INDEXED=indexed,
             ACCUMULATE=accumulate, num_warps=4,
         )
     return out, lse
