@@ -88,7 +88,7 @@ def test_no_compilation_on_the_request_path(tiny_llama, policy, key_copy, offloa
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
 @pytest.mark.parametrize("key_copy", ["int8", "none"])
 def test_no_compilation_on_the_request_path_at_a_large_quest_budget(tmp_path, offload, key_copy):
-    """A Quest budget past the start-up's longest row (8,192 tokens): its scores (through the key copy, or the
+    """A Quest budget past the start-up's longest row (4,096 tokens): its scores (through the key copy, or the
     bound's and the rerank's) are still compiled at start-up (a Qwen RULER run at that budget compiled the bound's
     and the rerank's kernels on the request path)."""
     from nanovllm import LLM, SamplingParams
@@ -215,14 +215,14 @@ def test_selector_steps_add_a_longer_row_only_where_the_selector_needs_one():
     from nanovllm.engine.warm_up import mixed_step_layouts, selector_step_layouts
 
     assert selector_step_layouts(32768, 0) == mixed_step_layouts(32768)
-    assert selector_step_layouts(32768, 8192) == mixed_step_layouts(32768)  # the lone longer row has 8,192 keys
+    assert selector_step_layouts(32768, 4096) == mixed_step_layouts(32768)  # the long row has 4,096 keys
     assert selector_step_layouts(32768, 8704)[-1] == ([32, 1], [32, 8704])
-    assert selector_step_layouts(8192, 8704) == mixed_step_layouts(8192)  # none longer than a sequence can be
+    assert selector_step_layouts(4096, 8704) == mixed_step_layouts(4096)  # none longer than a sequence can be
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device-only", "offload"])
 def test_start_up_steps_narrow_a_row_past_a_large_budget(tmp_path, offload):
-    """A budget that none of the start-up mixed steps' rows exceeds (8,192 tokens past the 8,192-key longest
+    """A budget that none of the start-up mixed steps' rows exceeds (8,192 tokens past the 4,096-key longest
     row): a further start-up step beside a longer row, so that Quest's scores and rerank still run (a Qwen
     RULER run at that budget compiled both kernels on the request path)."""
     from nanovllm import LLM
@@ -254,8 +254,8 @@ def test_start_up_steps_narrow_a_row_past_a_large_budget(tmp_path, offload):
 
 def split_variant(splits: int) -> str:
     """The decode kernel's variant for a split count: written directly (one), or merged by the merge kernel
-    padded to 16 or to 64 splits (triton_paged_attention.paged_decode_attention)."""
-    return "direct" if splits == 1 else "merge16" if splits <= 16 else "merge64"
+    (triton_paged_attention.paged_decode_attention)."""
+    return "direct" if splits == 1 else "merge"
 
 
 @pytest.mark.parametrize("block_size, head_dim, num_kv_heads, max_len",
@@ -263,9 +263,9 @@ def split_variant(splits: int) -> str:
                          ids=["tiny", "llama-8b", "qwen-0.5b", "smollm2"])
 def test_start_up_steps_meet_every_decode_variant_a_step_can_take(block_size, head_dim, num_kv_heads, max_len):
     """Every split variant a decode step of up to max_len keys can take (one split written directly; several
-    merged, padded to 16 or 64) is taken by a start-up step, mixed or pure decode (the H200's 132 SMs). Before
-    the lone longer row, rows of more than 4,096 keys merged through a variant compiled on the request path
-    (RULER at 8K on SmolLM2: 253 ms, twenty-third session)."""
+    merged) is taken by a start-up step, mixed or pure decode (the H200's 132 SMs). When the merge had a variant
+    for more than 16 splits, rows of more than 4,096 keys merged through one compiled on the request path (RULER at
+    8K on SmolLM2: 253 ms, twenty-third session)."""
     tpa = pytest.importorskip("nanovllm.kernels.triton_paged_attention")
     from nanovllm.engine.warm_up import decode_step_layouts, mixed_step_layouts
 

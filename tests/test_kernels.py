@@ -410,8 +410,11 @@ def test_int32_block_tables(ops):
 
 
 def test_num_splits_depend_on_shapes_only(ops):
-    assert ops.decode_num_splits(64, 8, 32768, 64, 132) == 2  # 512 programs already; 4 waves want 528
-    assert ops.decode_num_splits(1, 8, 32768, 64, 132) == 64  # capped by MAX_SPLITS
+    assert ops.decode_num_splits(64, 8, 32768, 64, 132) == 1  # 512 programs: two per SM already
+    assert ops.decode_num_splits(32, 8, 32768, 64, 132) == 1  # 256 programs: 0.9 of two waves counts
+    assert ops.decode_num_splits(16, 8, 32768, 64, 132) == 2
+    assert ops.decode_num_splits(1, 8, 32768, 64, 132) == 32  # the fewest powers of two past 238 programs
+    assert ops.decode_num_splits(1, 1, 10**6, 64, 132) == 64  # capped by MAX_SPLITS
     assert ops.decode_num_splits(1, 8, 256, 64, 132) == 1  # 4 tiles: no split
     assert ops.decode_num_splits(4, 2, 1024, 64, 132) == 4  # 16 tiles, >= 4 tiles per split
     assert ops.kv_tile_size(256, 64) == 64 and ops.kv_tile_size(48, 64) == 16 and ops.kv_tile_size(32, 64) == 32

@@ -4,8 +4,7 @@ The decode graphs compile what pure decode steps run when they are captured, and
 that sizes the KV pool compiles a whole-prompt prefill. What is left is what a mixed step (a prefill
 chunk beside decoding rows, outside the graphs) and temperature sampling run: the decode kernel over
 chosen rows with one split (a mixed step whose decode rows are all short) and with several, the merge
-of the splits (padded to 16 splits, and to 64 for rows of more than 4,096 keys: a RULER run at 8K
-compiled that one on the request path), and the one-pass sampler; under a sparse policy also the
+of the splits, and the one-pass sampler; under a sparse policy also the
 per-KV-head variants of prefill and decode that its selections take, and the policy's own kernels (its
 minimum context set aside for the start-up rows). Measured on the H200 (kernels/compile_watch.py) before these
 steps: the first batch of 32 requests waited 0.75 s for two of those to compile, and XAttention's first
@@ -34,8 +33,7 @@ from nanovllm.layers.sampler import sample_on_device
 from nanovllm.sampling_params import SamplingParams
 
 PREFILL_ROWS = 32
-LONG_ROW = 4096  # keys of the long decode row: 64 KV tiles, several decode splits (up to 16)
-LONGER_ROW = 8192  # keys of a lone longer decode row: more than 16 splits, the merge's wider variant
+LONG_ROW = 4096  # keys of the long decode row: 64 KV tiles, several decode splits
 SHORT_ROW = 16  # keys of a short decode row: one tile, so one split when it is the longest
 LADDER_START = 64  # the smallest token count of the start-up prefill ladder (decode graphs cover fewer)
 
@@ -43,12 +41,10 @@ LADDER_START = 64  # the smallest token count of the start-up prefill ladder (de
 def mixed_step_layouts(max_model_len: int) -> list[tuple[list[int], list[int]]]:
     """(query_lens, seq_lens) of the start-up mixed steps: a prefill chunk beside decode rows whose longest
     is long (the decode kernel over chosen rows in several splits, and their merge), beside a short one
-    only (one split: the kernel writes its result directly, another variant), and, where sequences can be
-    longer, beside a lone longer row (more than 16 splits: the merge's wider variant)."""
-    long_row, longer, short = _decode_row_lengths(max_model_len)
+    only (one split: the kernel writes its result directly, another variant)."""
+    long_row, short = _decode_row_lengths(max_model_len)
     prefill = min(PREFILL_ROWS, long_row)
-    layouts = [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
-    return layouts + ([([prefill, 1], [prefill, longer])] if longer > long_row else [])
+    return [([prefill, 1, 1], [prefill, short, long_row]), ([prefill, 1], [prefill, short])]
 
 
 def selector_step_layouts(max_model_len: int, selector_row: int) -> list[tuple[list[int], list[int]]]:
@@ -66,16 +62,16 @@ def selector_step_layouts(max_model_len: int, selector_row: int) -> list[tuple[l
 def decode_step_layouts(max_model_len: int) -> list[tuple[list[int], list[int]]]:
     """(query_lens, seq_lens) of start-up pure decode steps, for the steps no decode graph runs (an engine
     without graphs, an offload engine's steps over host blocks): one short row (one split, written directly),
-    a short beside a long one (several splits, merged) and a lone longer one (more than 16 splits)."""
-    long_row, longer, short = _decode_row_lengths(max_model_len)
-    return [([1], [short]), ([1, 1], [short, long_row])] + ([([1], [longer])] if longer > long_row else [])
+    and a short beside a long one (several splits, merged)."""
+    long_row, short = _decode_row_lengths(max_model_len)
+    return [([1], [short]), ([1, 1], [short, long_row])]
 
 
-def _decode_row_lengths(max_model_len: int) -> tuple[int, int, int]:
-    """Keys of the long, the longer and the short decode row of the start-up steps (a row longer than the
-    pool reads its blocks again: `warm_up_table`)."""
+def _decode_row_lengths(max_model_len: int) -> tuple[int, int]:
+    """Keys of the long and the short decode row of the start-up steps (a row longer than the pool reads its
+    blocks again: `warm_up_table`)."""
     long_row = min(max_model_len - 1, LONG_ROW)
-    return long_row, min(max_model_len - 1, LONGER_ROW), min(SHORT_ROW, long_row)
+    return long_row, min(SHORT_ROW, long_row)
 
 
 def warm_up_table(num_tokens: int, block_size: int, num_blocks: int) -> list[int]:

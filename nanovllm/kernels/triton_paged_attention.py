@@ -55,7 +55,11 @@ _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 MIN_TILES_PER_SPLIT = 4  # a decode split reads at least this many KV tiles (when the bound allows)
 MAX_SPLITS = 64
-WAVES = 4  # decode aims for this many programs per SM
+# Decode aims for about two programs per SM (0.9 of a wave counts as one): the H100 sweep of bench/tune_decode.py
+# (Llama-3.1-8B shape, 64-key tiles) had one split best at batch 32 (256 programs; 4 waves' 3 splits and their
+# merge 1.16x slower at 1K), 32 splits at batch 1 (1K and 32K; 64 splits 1.06x slower at 32K), 8 at batch 4 x 32K.
+WAVES = 2
+FULL_WAVE = 0.9
 MERGE_CHUNK: tl.constexpr = tl.constexpr(16)  # splits the merge reads at a time
 # decode reading pinned host memory in place: bench/tune_host_decode.py on the H200 (80 / 160 16-token pages
 # per KV head, batch 1 and 4) had 16 splits fastest everywhere, 1.55x one tile per split (64) at 80 pages
@@ -441,12 +445,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head): enough programs for WAVES per SM, each split >= MIN_TILES_PER_SPLIT
-    tiles of a max_seq_len sequence. A function of shapes only (CUDA-graph safe)."""
+    """Splits per (sequence, KV head): the fewest, a power of two, that make about WAVES programs per SM, each split
+    >= MIN_TILES_PER_SPLIT tiles of a max_seq_len sequence. A function of shapes only (CUDA-graph safe)."""
     max_tiles = -(-max_seq_len // block_n)
     by_length = max(1, max_tiles // MIN_TILES_PER_SPLIT)
-    by_occupancy = -(-WAVES * num_sms // max(1, num_seqs * num_kv_heads))
-    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = 1
+    while programs * splits < WAVES * FULL_WAVE * num_sms and splits < MAX_SPLITS:
+        splits *= 2
+    return min(splits, by_length)
 
 
 def _precision(dtype: torch.dtype) -> str:

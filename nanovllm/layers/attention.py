@@ -203,7 +203,7 @@ class TorchPagedAttention(AttentionBackend):
             vi = gather_tokens(v_cache, table, seq_len, host_v, base).transpose(0, 1)[None]
             if query_len == 1:  # one query sees every key: a KV head's group of query heads as its rows, no mask
                 qi = q[start].reshape(1, ki.shape[1], group, q.shape[-1])  # [1, Hk, group, D]
-                out[start] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).view(q.shape[1:])
+                out[start] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).reshape(q.shape[1:])
                 continue
             qi = q[start : start + query_len].transpose(0, 1)[None]  # [1, Hq, n, D]: 4-D for the fused kernels
             if group > 1:  # explicit GQA expansion: SDPA's enable_gqa falls back to the slow math kernel
