@@ -319,9 +319,9 @@ def test_decode_splits_including_empty_ones(ops, num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [17, 40, 64])
-def test_decode_merge_reads_more_splits_than_one_chunk(ops, num_splits):
-    """Rows of 1, 300 and 1,000 keys in 16-key tiles over up to 64 splits: the long row's splits with keys
-    (32 of 40) take the merge's chunk of 16 splits twice or more, the short ones once or (1 key) read one."""
+def test_decode_merge_of_more_than_16_splits(ops, num_splits):
+    """Rows of 1, 300 and 1,000 keys in 16-key tiles over 17 to 64 splits: the merge takes the long row's 17 to 63
+    splits with keys, the 1-key row's one."""
     b = make_batch([1] * 3, [1, 300, 1000], 2, 4, 64, 16, torch.float32, seed=num_splits)
     want = paged_attention_reference(*b.args(0.125))
     assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=num_splits, block_n=16), want, torch.float32)
@@ -410,11 +410,11 @@ def test_int32_block_tables(ops):
 
 
 def test_num_splits_depend_on_shapes_only(ops):
-    assert ops.decode_num_splits(64, 8, 32768, 64, 132) == 1  # 512 programs: two per SM already
-    assert ops.decode_num_splits(32, 8, 32768, 64, 132) == 1  # 256 programs: 0.9 of two waves counts
-    assert ops.decode_num_splits(16, 8, 32768, 64, 132) == 2
-    assert ops.decode_num_splits(1, 8, 32768, 64, 132) == 32  # the fewest powers of two past 238 programs
-    assert ops.decode_num_splits(1, 1, 10**6, 64, 132) == 64  # capped by MAX_SPLITS
+    assert ops.decode_num_splits(64, 8, 32768, 64, 132) == 1  # 512 programs: no split, no merge
+    assert ops.decode_num_splits(30, 8, 32768, 64, 132) == 1  # 240 programs: 1.8 waves
+    assert ops.decode_num_splits(29, 8, 32768, 64, 132) == 3  # 232 programs: 4 waves want 3 splits
+    assert ops.decode_num_splits(16, 8, 32768, 64, 132) == 5
+    assert ops.decode_num_splits(1, 8, 32768, 64, 132) == 64  # capped by MAX_SPLITS
     assert ops.decode_num_splits(1, 8, 256, 64, 132) == 1  # 4 tiles: no split
     assert ops.decode_num_splits(4, 2, 1024, 64, 132) == 4  # 16 tiles, >= 4 tiles per split
     assert ops.kv_tile_size(256, 64) == 64 and ops.kv_tile_size(48, 64) == 16 and ops.kv_tile_size(32, 64) == 32

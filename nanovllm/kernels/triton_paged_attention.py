@@ -55,12 +55,13 @@ _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 MIN_TILES_PER_SPLIT = 4  # a decode split reads at least this many KV tiles (when the bound allows)
 MAX_SPLITS = 64
-# Decode aims for about two programs per SM (0.9 of a wave counts as one): the H100 sweep of bench/tune_decode.py
-# (Llama-3.1-8B shape, 64-key tiles) had one split best at batch 32 (256 programs; 4 waves' 3 splits and their
-# merge 1.16x slower at 1K), 32 splits at batch 1 (1K and 32K; 64 splits 1.06x slower at 32K), 8 at batch 4 x 32K.
-WAVES = 2
-FULL_WAVE = 0.9
-MERGE_CHUNK: tl.constexpr = tl.constexpr(16)  # splits the merge reads at a time
+WAVES = 4  # decode aims for this many programs per SM
+# From ONE_SPLIT_WAVES waves of programs a decode step takes one split: the kernel writes its result, no merge. The
+# H200's bench/tune_decode.py at batch 32 x 1K of the Llama-3.1-8B shape (256 programs): 37 us in one split, 44 in
+# the three splits four waves made (and 5.89 vs 6.17 ms a step); batch 1 at 32K wants its 64 splits (41 vs 45 us
+# in 32).
+ONE_SPLIT_WAVES = 1.8
+SPLITS_PAD: tl.constexpr = tl.constexpr(MAX_SPLITS)  # the merge reads every split's slot in one pass (masked)
 # decode reading pinned host memory in place: bench/tune_host_decode.py on the H200 (80 / 160 16-token pages
 # per KV head, batch 1 and 4) had 16 splits fastest everywhere, 1.55x one tile per split (64) at 80 pages
 HOST_READ_SPLITS = 16
@@ -293,8 +294,9 @@ def _merge_splits_kernel(
 ):
     """Log-sum-exp merge of the splits of partials [i, head, :] that have tiles (the decode kernel's split rule on
     the sequence's length; the others wrote nothing) into the token's row of out/lse (ACCUMULATE: also with what
-    that row holds). No split with tiles: out 0, lse -inf (ACCUMULATE: the row unchanged). The splits are read
-    MERGE_CHUNK at a time, as many as have tiles: a short row in a graph launched for long ones reads few."""
+    that row holds). No split with tiles: out 0, lse -inf (ACCUMULATE: the row unchanged). One variant for every
+    split count (with a second one padded to 16 splits, rows past 16 splits compiled the wide one on the request
+    path)."""
     i = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if INDEXED:
@@ -305,28 +307,20 @@ def _merge_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + seq * stride_ns + (head // group) * stride_nh)  # per KV head: stride_nh 1
     num_tiles = tl.cdiv(seq_len, block_n)
     with_tiles = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse_row = part_lse_ptr + i * stride_plt + head * stride_plh
-    out_row = part_out_ptr + i * stride_pt + head * stride_ph
-    peak = tl.full([], float("-inf"), tl.float32)  # the largest lse so far
-    total = tl.zeros([], dtype=tl.float32)  # sum of exp(lse - peak)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)  # sum of exp(lse - peak) * out
-    for first in range(0, with_tiles, MERGE_CHUNK):
-        offs_s = first + tl.arange(0, MERGE_CHUNK)
-        s_mask = offs_s < with_tiles
-        part_lse = tl.load(lse_row + offs_s, mask=s_mask, other=float("-inf"))
-        new_peak = tl.maximum(peak, tl.max(part_lse, 0))
-        base = tl.where(new_peak == float("-inf"), 0.0, new_peak)  # no keys yet: avoid -inf - -inf
-        rescale = tl.exp(peak - base)
-        weight = tl.exp(part_lse - base)
-        parts = tl.load(out_row + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-        total = total * rescale + tl.sum(weight, 0)
-        acc = acc * rescale + tl.sum(parts * weight[:, None], 0)
-        peak = new_peak
-    out = acc / tl.where(total > 0.0, total, 1.0)
+    s_mask = offs_s < with_tiles
+    part_lse = tl.load(part_lse_ptr + i * stride_plt + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
+    peak = tl.max(part_lse, 0)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)  # a sequence without keys: all parts empty
+    weight = tl.exp(part_lse - peak)
+    total = tl.sum(weight, 0)
+    parts = tl.load(part_out_ptr + i * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     out_dst = out_ptr + row * stride_ot + head * stride_oh + offs_d
     lse_dst = lse_ptr + row * stride_lt + head * stride_lh
-    lse = tl.where(total > 0.0, peak + tl.log(total), float("-inf"))
+    lse = peak + tl.log(total)
     if ACCUMULATE:
         prev_out = tl.load(out_dst).to(tl.float32)
         w_prev, w_new, lse = _lse_weights(tl.load(lse_dst), lse)
@@ -445,15 +439,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head): the fewest, a power of two, that make about WAVES programs per SM, each split
-    >= MIN_TILES_PER_SPLIT tiles of a max_seq_len sequence. A function of shapes only (CUDA-graph safe)."""
+    """Splits per (sequence, KV head): one from ONE_SPLIT_WAVES waves of programs, else enough programs for WAVES
+    per SM, each split >= MIN_TILES_PER_SPLIT tiles of a max_seq_len sequence. A function of shapes only (CUDA-graph
+    safe)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    if programs >= ONE_SPLIT_WAVES * num_sms:
+        return 1
     max_tiles = -(-max_seq_len // block_n)
     by_length = max(1, max_tiles // MIN_TILES_PER_SPLIT)
-    programs = max(1, num_seqs * num_kv_heads)
-    splits = 1
-    while programs * splits < WAVES * FULL_WAVE * num_sms and splits < MAX_SPLITS:
-        splits *= 2
-    return min(splits, by_length)
+    by_occupancy = -(-WAVES * num_sms // programs)
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
 def _precision(dtype: torch.dtype) -> str:
