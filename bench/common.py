@@ -96,15 +96,19 @@ def timed(fn):
     return result, time.perf_counter() - t
 
 
-def set_gemv_rows(llm, rows: int | None) -> None:
-    """A bench's --gemv-rows: the rows up to which the engine's projections run through the Triton GEMV (None:
-    the engine's default), the decode graphs recaptured when it changes."""
+def set_layer_ops(llm, gemv_rows: int | None, dependent_launch: bool = False) -> None:
+    """A bench's --gemv-rows (the rows up to which the engine's projections run through the Triton GEMV; None: the
+    engine's default) and --dependent-launch (TritonLayerOps.dependent_launch), the decode graphs recaptured when
+    either changes."""
     ops = llm.runner.layer_ops
-    if rows is None or rows == getattr(ops, "gemv_rows", None):
+    wanted = {"gemv_rows": gemv_rows, "dependent_launch": dependent_launch or None}
+    changed = {k: v for k, v in wanted.items() if v is not None and getattr(ops, k, None) != v}
+    if not changed:
         return
-    if not hasattr(ops, "gemv_rows"):
-        raise SystemExit(f"--gemv-rows needs the Triton layer ops, the engine runs {ops.name!r}")
-    ops.gemv_rows = rows
+    if ops.name != "triton":
+        raise SystemExit(f"--gemv-rows / --dependent-launch need the Triton layer ops, the engine runs {ops.name!r}")
+    for name, value in changed.items():
+        setattr(ops, name, value)
     llm.runner.recapture_decode_graphs()
 
 

@@ -7,7 +7,7 @@ bandwidth). Prefill tokens/s at 8K and 32K against HF transformers' forward in t
 
     PYTHONPATH=. python3 bench/latency.py [--cases 1x1024 1x32768 32x1024] [--prefill-contexts 8192 32768]
         [--decode-tokens 64] [--skip-hf] [--sparse-policy full|xattention|quest|xattention+quest] [--async-scheduling]
-        [--gemv-rows 0]
+        [--gemv-rows 0] [--dependent-launch]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common import (HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, set_gemv_rows,
+from common import (HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, set_layer_ops,
                     timed)
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.compile_watch import WATCH
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int,
                     help="steps of at most this many rows run their narrow projections through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS; the decode graphs recaptured)")
+    ap.add_argument("--dependent-launch", action="store_true",
+                    help="the GEMV, norm, SiLU and RoPE kernels launched dependently (TritonLayerOps.dependent_launch)")
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
@@ -95,8 +97,9 @@ def main() -> None:
               sparse_policy=args.sparse_policy, async_scheduling=args.async_scheduling)
     results["sparse_policy"] = args.sparse_policy
     results["async_scheduling"] = args.async_scheduling
-    set_gemv_rows(llm, args.gemv_rows)
+    set_layer_ops(llm, args.gemv_rows, args.dependent_launch)
     results["gemv_rows"] = llm.runner.layer_ops.gemv_rows
+    results["dependent_launch"] = args.dependent_launch
     results["startup_s"] = llm.startup_seconds
     log(f"engine start-up (weights, KV pool, warm-up, kernels, CUDA graphs): {llm.startup_seconds:.1f} s")
     llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up

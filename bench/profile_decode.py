@@ -3,7 +3,7 @@ and the CUDA-graph step time beside the HBM floor of the same step, with the ker
 the graph steps' timeline (GPU busy, launch latency, gaps between kernels, host time after the last kernel).
 
     PYTHONPATH=. python3 bench/profile_decode.py [--config bench/configs/llama-3.1-8b] [--batch 1] [--context 1024]
-        [--sparse-policy quest --quest-token-budget 2048] [--gemv-rows 0]
+        [--sparse-policy quest --quest-token-budget 2048] [--gemv-rows 0] [--dependent-launch]
 
 With a sparse policy (sparse from the first token on) the host-side operators are listed too: where the
 CPU time of an eager step goes.
@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import HERE, kind_of, log, measure_hbm_bandwidth, require_cuda, save_results, set_gemv_rows
+from common import HERE, kind_of, log, measure_hbm_bandwidth, require_cuda, save_results, set_layer_ops
 from timeline import timeline_of
 from nanovllm import LLM, SamplingParams
 
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int,
                     help="narrow projections of steps of at most this many rows through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS)")
+    ap.add_argument("--dependent-launch", action="store_true",
+                    help="the GEMV, norm, SiLU and RoPE kernels launched dependently (TritonLayerOps.dependent_launch)")
     args = ap.parse_args()
     sparse = {} if args.sparse_policy == "full" else dict(
         sparse_policy=args.sparse_policy, sparse_min_context=0, quest_token_budget=args.quest_token_budget)
@@ -56,7 +58,7 @@ def main() -> None:
     for eager in (False, True):
         llm = LLM(args.config, load_format="dummy", max_model_len=args.context + 64, max_num_seqs=args.batch,
                   enforce_eager=eager, gpu_memory_utilization=0.9 if sparse else 0.5, **sparse)
-        set_gemv_rows(llm, args.gemv_rows)
+        set_layer_ops(llm, args.gemv_rows, args.dependent_launch)
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
         results["eager_ms" if eager else "graph_ms"] = step_time_ms(llm, prompts, args.steps)
         activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if sparse or not eager else [])

@@ -6,7 +6,7 @@ Floor: bytes that must cross HBM (weights once per decode step + each sequence's
 over the copy bandwidth measured in this process.
 
     PYTHONPATH=. python3 bench/throughput.py [--num-seqs 256] [--hf-seqs 32 --hf-tokens 128] [--async-scheduling]
-        [--gemv-rows 0]
+        [--gemv-rows 0] [--dependent-launch]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from common import (HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, set_gemv_rows,
+from common import (HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, set_layer_ops,
                     timed)
 from nanovllm import LLM, SamplingParams
 
@@ -67,13 +67,15 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int,
                     help="steps of at most this many rows run their narrow projections through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS; the decode graphs recaptured)")
+    ap.add_argument("--dependent-launch", action="store_true",
+                    help="the GEMV, norm, SiLU and RoPE kernels launched dependently (TritonLayerOps.dependent_launch)")
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
     log(f"HBM copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
     llm = LLM(args.config, load_format="dummy", max_model_len=2 * args.max_len + 16, enforce_eager=args.enforce_eager,
               async_scheduling=args.async_scheduling)
-    set_gemv_rows(llm, args.gemv_rows)
+    set_layer_ops(llm, args.gemv_rows, args.dependent_launch)
     vocab = llm.config.hf_config["vocab_size"]
     prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, vocab)
     # Warm-up on other prompts (no prefix-cache hits later) that, like the workload, mix chunked prefills
@@ -85,7 +87,8 @@ def main() -> None:
     results = {"num_seqs": args.num_seqs, "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
                "hbm_floor_s": floor, "floor_tok_s": tokens / floor, "fraction_of_floor": floor / seconds,
                "backend": llm.runner.backend.name, "cuda_graphs": llm.runner.graphs is not None,
-               "async_scheduling": args.async_scheduling, "gemv_rows": llm.runner.layer_ops.gemv_rows}
+               "async_scheduling": args.async_scheduling, "gemv_rows": llm.runner.layer_ops.gemv_rows,
+               "dependent_launch": args.dependent_launch}
     log(f"nanovllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
         f"HBM floor {floor:.2f} s ({tokens / floor:,.0f} tok/s): {100 * floor / seconds:.1f}% of the floor")
     if args.hf_seqs:

@@ -76,7 +76,7 @@ def test_layer_ops_route_only_narrow_one_rank_projections(gemv):
         pass
 
     ops, calls = TritonLayerOps(), []
-    ops.gemv = lambda x, w, b: calls.append(tuple(w.shape)) or F.linear(x, w, b)
+    ops.gemv = lambda x, w, b, pdl: calls.append(tuple(w.shape)) or F.linear(x, w, b)
     narrow, wide = torch.nn.Linear(32, 48).to(DEVICE), torch.nn.Linear(32, 80).to(DEVICE)
     shard = Shard(32, 48).to(DEVICE)
     one, two = rand(1, 32), rand(2, 32)

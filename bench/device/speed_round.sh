@@ -10,6 +10,9 @@
 #                                                   folder) and this one alternating, synchronous
 #   bash bench/device/speed_round.sh latency2       this tree, async scheduling: the GEMV at 1 row (the default) and
 #                                                   cuBLAS (--gemv-rows 0) alternating
+#   bash bench/device/speed_round.sh pdl            the dependent-launch CUDA tests, then batch-1 decode at 1K / 32K
+#                                                   and batch 32 at 1K, async, with and without --dependent-launch
+#                                                   alternating, twice
 #   bash bench/device/speed_round.sh profile        profile_decode at batch 1 (cuBLAS, the GEMV) and at the
 #                                                   throughput workload's batch 256 (Qwen3-0.6B shape)
 #   bash bench/device/speed_round.sh serving [OLD]  the server at rate inf against the offline engine (its time in
@@ -44,6 +47,13 @@ case ${1:-} in
       latency "$here" async_gemv$run --async-scheduling --cases 1x1024 1x32768
       latency "$here" async_cublas$run --async-scheduling --gemv-rows 0 --cases 1x1024 1x32768
     done ;;
+  pdl)
+    python3 -m pytest -q -x -m cuda tests/test_dependent_launch.py tests/test_gemv.py tests/test_fused_ops.py 2>&1 \
+      | tail -3 | tee "$out/tests_pdl.log"
+    for run in 1 2; do
+      latency "$here" async_pdl$run --async-scheduling --dependent-launch
+      latency "$here" async_plain$run --async-scheduling
+    done ;;
   profile)
     for rows in 0 1; do
       (cd bench && OUT=$out/profile_b1_gemv$rows python3 -u profile_decode.py --gemv-rows $rows) 2>&1 | quiet \
@@ -65,5 +75,5 @@ case ${1:-} in
       serve "$here" serving_new2 --no-offline
       serve "$old" serving_old2 --no-offline
     fi ;;
-  *) echo "bash bench/device/speed_round.sh tests|tune|latency OLD|latency2|profile|serving [OLD]" >&2; exit 2 ;;
+  *) echo "bash bench/device/speed_round.sh tests|tune|latency OLD|latency2|pdl|profile|serving [OLD]" >&2; exit 2 ;;
 esac

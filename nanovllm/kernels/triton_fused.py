@@ -6,7 +6,7 @@ follows HF: every intermediate that PyTorch would round to the activation dtype 
 (`_round`), so the results differ from the reference only by float32 reduction order and exp/rsqrt
 approximations. Launches pass enable_fp_fusion=False: otherwise Triton contracts a rounded product and
 the following add into one FMA, skipping the rounding (measured: a quarter of bf16 RoPE outputs off by
-an ulp, enough to change SmolLM2's bf16 answers).
+an ulp, enough to change SmolLM2's bf16 answers). pdl: a dependent launch (kernels/dependent_launch.py).
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import dependent_launch
+from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -29,40 +31,45 @@ def _round(x, dtype: tl.constexpr):
 def _rms_norm_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, n_cols, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    let_next_start(PDL)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         x = _round(x + r, dtype)
         tl.store(res_out_ptr + row * stride_ro + offs, x.to(dtype), mask=mask)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (w * _round(x * inv_rms, dtype)).to(dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of a 2-D x. With residual: (norm(x + residual), x + residual)."""
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
     res = residual if residual is not None else x
+    pdl = pdl and dependent_launch.supported(x.device)
     _rms_norm_kernel[(rows,)](
         x, res, out, res_out, weight, cols, eps, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), num_warps=_warps(cols),
-        enable_fp_fusion=False,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), PDL=pdl, num_warps=_warps(cols),
+        enable_fp_fusion=False, launch_pdl=pdl,
     )
     return (out, res_out) if residual is not None else out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
@@ -72,14 +79,16 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.c
     tl.store(out_ptr + row * stride_o + offs, (silu * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim of a 2-D tensor."""
     rows, cols = gate_up.shape
     half = cols // 2
     out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(half))
+    pdl = pdl and dependent_launch.supported(gate_up.device)
     _silu_and_mul_kernel[(rows, triton.cdiv(half, block))](gate_up, out, half, gate_up.stride(0), out.stride(0),
-                                                          BLOCK=block, num_warps=4, enable_fp_fusion=False)
+                                                          BLOCK=block, PDL=pdl, num_warps=4, enable_fp_fusion=False,
+                                                          launch_pdl=pdl)
     return out
 
 
@@ -114,11 +123,13 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_vt, stride_vh, stride_slots, stride_cs, stride_ch,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-    STORE: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+    STORE: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token, all its heads (the cos/sin row read once). STORE: the rotated k and the token's v also into the
     caches (viewed [slots, Hk, D]) at the token's slot."""
     token = tl.program_id(0).to(tl.int64)
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     dtype = q_out_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, HALF)[None, :]
@@ -144,8 +155,8 @@ def _qk_norm_rope_kernel(
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                 store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D] (views with unit last stride); cos, sin [T, 1, D]. Optional per-head
     RMSNorm (both weights or neither), then RoPE. Returns new contiguous q and k. store (v [T, Hk, D], k_cache,
     v_cache [num_blocks, block_size, Hk, D] of one layout, slots [T] of any stride): the returned k and v
@@ -162,11 +173,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     qw = q_weight if has_norm else q
     kw = k_weight if has_norm else k
     store_args = _store_args(k, store) if store is not None else (k, k, k, k, 0, 0, 0, 0, 0)
+    pdl = pdl and dependent_launch.supported(q.device)
     _qk_norm_rope_kernel[(tokens,)](
         q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), *store_args, NUM_Q_HEADS=num_q, NUM_K_HEADS=num_k, HEAD_DIM=head_dim,
         HAS_NORM=has_norm, STORE=store is not None, Q_HEADS_PAD=triton.next_power_of_2(num_q),
-        K_HEADS_PAD=triton.next_power_of_2(num_k), num_warps=_warps(num_q * head_dim), enable_fp_fusion=False,
+        K_HEADS_PAD=triton.next_power_of_2(num_k), PDL=pdl, num_warps=_warps(num_q * head_dim),
+        enable_fp_fusion=False, launch_pdl=pdl,
     )
     return q_out, k_out
 

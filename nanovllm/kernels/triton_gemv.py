@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import dependent_launch
+from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -24,9 +26,11 @@ MAX_ROWS = 4  # rows of x one launch serves: their products stay in registers
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    """PDL (a dependent launch): the first weight tile is loaded before waiting for the kernel that wrote x."""
     pid = tl.program_id(0)
+    let_next_start(PDL)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS)
     offs_k = tl.arange(0, BLOCK_K)
@@ -35,7 +39,17 @@ def _gemv_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     products = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    start = 0
+    if PDL:
+        k_mask = offs_k < K
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # weights: no kernel writes them
+        wait_for_previous(PDL)
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        products += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        start = BLOCK_K
+    for k in range(start, K, BLOCK_K):
         k_mask = offs_k < K - k
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -56,9 +70,9 @@ def gemv_tiles(n: int, k: int) -> tuple[int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+         block_k: int | None = None, num_warps: int = 4, num_stages: int = 1, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] with M <= MAX_ROWS, in x's dtype (float32 accumulation); tiles
-    default to `gemv_tiles`."""
+    default to `gemv_tiles`. pdl: a dependent launch (kernels/dependent_launch.py) where the device has them."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if not 1 <= x.shape[0] <= MAX_ROWS:
@@ -71,9 +85,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     default_n, default_k = gemv_tiles(n, k)
     block_n, block_k = block_n or default_n, block_k or default_k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    pdl = pdl and dependent_launch.supported(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m),
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m), PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, launch_pdl=pdl,
     )
     return out

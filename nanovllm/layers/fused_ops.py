@@ -73,11 +73,12 @@ class TritonLayerOps(LayerOps):
     batch-1 decode) run each narrow projection (a one-rank nn.Linear with at most twice as many outputs as inputs:
     q/k/v, o, down) through the Triton GEMV (kernels/triton_gemv.py), which reads the weights faster than
     cuBLAS at one row; wider ones (gate/up) and larger steps keep cuBLAS. 0 turns it off (a bench peer sets it,
-    then recaptures the decode graphs)."""
+    then recaptures the decode graphs). dependent_launch: the GEMV, norm, SiLU and RoPE kernels start while the
+    kernel before them ends (kernels/dependent_launch.py; Hopper+, off until timed: benches' --dependent-launch)."""
 
     name = "triton"
 
-    def __init__(self, gemv_rows: int = 1) -> None:
+    def __init__(self, gemv_rows: int = 1, dependent_launch: bool = False) -> None:
         from nanovllm.kernels import triton_fused, triton_gemv
 
         if not 0 <= gemv_rows <= triton_gemv.MAX_ROWS:
@@ -85,6 +86,7 @@ class TritonLayerOps(LayerOps):
         self.kernels = triton_fused
         self.gemv = triton_gemv.gemv
         self.gemv_rows = gemv_rows
+        self.dependent_launch = dependent_launch
 
     def _through_gemv(self, x: torch.Tensor, linear: nn.Linear) -> bool:
         if not 1 <= x.shape[0] <= self.gemv_rows or type(linear) is not nn.Linear:  # most calls end here
@@ -94,19 +96,21 @@ class TritonLayerOps(LayerOps):
                 and weight.stride(1) == 1)
 
     def linear(self, x, linear):
-        return self.gemv(x, linear.weight, linear.bias) if self._through_gemv(x, linear) else linear(x)
+        if self._through_gemv(x, linear):
+            return self.gemv(x, linear.weight, linear.bias, pdl=self.dependent_launch)
+        return linear(x)
 
     def rms_norm(self, x, weight, eps):
-        return self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        return self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, pdl=self.dependent_launch).view(x.shape)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return self.kernels.rms_norm(x, weight, eps, residual)
+        return self.kernels.rms_norm(x, weight, eps, residual, pdl=self.dependent_launch)
 
     def silu_and_mul(self, gate_up):
-        return self.kernels.silu_and_mul(gate_up)
+        return self.kernels.silu_and_mul(gate_up, pdl=self.dependent_launch)
 
     def qk_norm_rope(self, q, k, cos, sin, q_weight, k_weight, eps, store=None):
-        return self.kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, store)
+        return self.kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, store, pdl=self.dependent_launch)
 
 
 _LAYER_OPS = {"torch": LayerOps, "triton": TritonLayerOps}
