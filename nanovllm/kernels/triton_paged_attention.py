@@ -57,7 +57,7 @@ MIN_TILES_PER_SPLIT = 4  # a decode split reads at least this many KV tiles (whe
 MAX_SPLITS = 64
 WAVES = 4  # decode aims for this many programs per SM
 # From ONE_SPLIT_WAVES waves of programs a decode step takes one split: the kernel writes its result, no merge. The
-# H200's bench/tune_decode.py at batch 32 x 1K of the Llama-3.1-8B shape (256 programs): 37 us in one split, 44 in
+# H200's bench/tune_decode.py at batch 32 x 1K of the Llama-3.1-8B shape (256 programs): 40 us in one split, 44 in
 # the three splits four waves made (and 5.89 vs 6.17 ms a step); batch 1 at 32K wants its 64 splits (41 vs 45 us
 # in 32).
 ONE_SPLIT_WAVES = 1.8
