@@ -98,8 +98,8 @@ def timed(fn):
 
 def set_layer_ops(llm, gemv_rows: int | None, dependent_launch: bool = False) -> None:
     """A bench's --gemv-rows (the rows up to which the engine's projections run through the Triton GEMV; None: the
-    engine's default) and --dependent-launch (TritonLayerOps.dependent_launch), the decode graphs recaptured when
-    either changes."""
+    engine's default) and --dependent-launch (TritonLayerOps.dependent_launch and the attention backend's), the
+    decode graphs recaptured when either changes."""
     ops = llm.runner.layer_ops
     wanted = {"gemv_rows": gemv_rows, "dependent_launch": dependent_launch or None}
     changed = {k: v for k, v in wanted.items() if v is not None and getattr(ops, k, None) != v}
@@ -109,6 +109,8 @@ def set_layer_ops(llm, gemv_rows: int | None, dependent_launch: bool = False) ->
         raise SystemExit(f"--gemv-rows / --dependent-launch need the Triton layer ops, the engine runs {ops.name!r}")
     for name, value in changed.items():
         setattr(ops, name, value)
+    if "dependent_launch" in changed:  # the decode attention and merge kernels too
+        llm.runner.backend.dependent_launch = changed["dependent_launch"]
     llm.runner.recapture_decode_graphs()
 
 

@@ -78,7 +78,8 @@ def main() -> None:
                     help="steps of at most this many rows run their narrow projections through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS; the decode graphs recaptured)")
     ap.add_argument("--dependent-launch", action="store_true",
-                    help="the GEMV, norm, SiLU and RoPE kernels launched dependently (TritonLayerOps.dependent_launch)")
+                    help="the GEMV, norm, SiLU, RoPE, decode attention and merge kernels launched dependently "
+                         "(TritonLayerOps.dependent_launch, the Triton backend's dependent_launch)")
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()

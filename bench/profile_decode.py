@@ -47,7 +47,8 @@ def main() -> None:
                     help="narrow projections of steps of at most this many rows through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS)")
     ap.add_argument("--dependent-launch", action="store_true",
-                    help="the GEMV, norm, SiLU and RoPE kernels launched dependently (TritonLayerOps.dependent_launch)")
+                    help="the GEMV, norm, SiLU, RoPE, decode attention and merge kernels launched dependently "
+                         "(TritonLayerOps.dependent_launch, the Triton backend's dependent_launch)")
     args = ap.parse_args()
     sparse = {} if args.sparse_policy == "full" else dict(
         sparse_policy=args.sparse_policy, sparse_min_context=0, quest_token_budget=args.quest_token_budget)

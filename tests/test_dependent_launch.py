@@ -1,4 +1,5 @@
-"""Dependent launches (kernels/dependent_launch.py) of the GEMV, RMSNorm, SiLU * up and RoPE kernels.
+"""Dependent launches (kernels/dependent_launch.py) of the GEMV, RMSNorm, SiLU * up, RoPE, decode attention and merge
+kernels.
 
 Any machine: compiled for sm_90 through Triton's own ptxas, a dependent kernel's PTX waits for the previous kernel
 (`griddepcontrol.wait`) and lets the next start (`griddepcontrol.launch_dependents`), the GEMV's first weight tile
@@ -33,6 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nanovllm.kernels.triton_fused import _qk_norm_rope_kernel, _rms_norm_kernel, _silu_and_mul_kernel
 from nanovllm.kernels.triton_gemv import _gemv_kernel
+from nanovllm.kernels.triton_paged_attention import _decode_kernel, _merge_splits_kernel
 
 def ptx(kernel, pointers, first_constexpr, consts, **types):
     names = kernel.arg_names
@@ -56,6 +58,15 @@ for pdl in (False, True):
         "rope": ptx(_qk_norm_rope_kernel, rope_pointers, "NUM_Q_HEADS",
                     dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, HEAD_DIM=128, HAS_NORM=False, STORE=True, Q_HEADS_PAD=32,
                          K_HEADS_PAD=8, PDL=pdl), slots_ptr="*i64", eps="fp32"),
+        "decode": ptx(_decode_kernel, ("q_ptr", "k_cache_ptr", "v_cache_ptr", "codes_ptr", "scales_ptr"), "GROUP",
+                      dict(GROUP=4, GROUP_PAD=16, BLOCK_SIZE=256, HEAD_DIM=128, BLOCK_N=64, INDEXED=False,
+                           DIRECT=False, PRECISION="tf32", ACCUMULATE=False, HOST_KV=False, PER_HEAD=False,
+                           KEY_CODES=False, PDL=pdl),
+                      out_ptr="*fp32", lse_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", tables_ptr="*i32",
+                      seq_ids_ptr="*i32", qk_scale="fp32"),
+        "merge": ptx(_merge_splits_kernel, ("out_ptr",), "HEAD_DIM",
+                     dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=False, PDL=pdl), part_out_ptr="*fp32",
+                     part_lse_ptr="*fp32", lse_ptr="*fp32", cu_ptr="*i32", seq_ids_ptr="*i32", seq_lens_ptr="*i32"),
     }
     for name, code in codes.items():
         has = ("griddepcontrol.wait" in code, "griddepcontrol.launch_dependents" in code)
@@ -64,6 +75,9 @@ for pdl in (False, True):
         gemv = codes["gemv"]
         wait = gemv.index("griddepcontrol.wait")
         assert "ld.global" in gemv[:wait], "no load before the wait"
+        for name in ("decode", "merge"):  # every input may be the previous kernel's output: nothing read before
+            code = codes[name]
+            assert "ld.global" not in code[:code.index("griddepcontrol.wait")], name
 print("ok")
 """
     assert_runs_compiled(code, timeout=300)
@@ -97,6 +111,7 @@ def _assert_same_greedy(model, device: str) -> None:
                   attention_backend="triton")
         ops = llm.runner.layer_ops
         ops.gemv_rows, ops.dependent_launch = 3, dependent
+        llm.runner.backend.dependent_launch = dependent
         llm.runner.recapture_decode_graphs()
         outputs[dependent] = llm.generate(prompts, params, use_tqdm=False) + \
             llm.generate(prompts[:1], params, use_tqdm=False)

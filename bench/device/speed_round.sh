@@ -12,7 +12,7 @@
 #                                                   cuBLAS (--gemv-rows 0) alternating
 #   bash bench/device/speed_round.sh pdl            the dependent-launch CUDA tests, then batch-1 decode at 1K / 32K
 #                                                   and batch 32 at 1K, async, with and without --dependent-launch
-#                                                   alternating, twice
+#                                                   alternating, twice; then the throughput workload the same way
 #   bash bench/device/speed_round.sh profile        profile_decode at batch 1 (cuBLAS, the GEMV) and at the
 #                                                   throughput workload's batch 256 (Qwen3-0.6B shape)
 #   bash bench/device/speed_round.sh serving [OLD]  the server at rate inf against the offline engine (its time in
@@ -53,6 +53,14 @@ case ${1:-} in
     for run in 1 2; do
       latency "$here" async_pdl$run --async-scheduling --dependent-launch
       latency "$here" async_plain$run --async-scheduling
+    done
+    for run in 1 2; do
+      for flag in --dependent-launch ""; do
+        if [ -n "$flag" ]; then name=throughput_pdl$run; else name=throughput_plain$run; fi
+        (cd bench && PYTHONPATH=$here:/tmp/site OUT=$out/$name python3 -u throughput.py --async-scheduling \
+          --hf-seqs 0 $flag) 2>&1 | quiet \
+          | tee "$out/$name.log"
+      done
     done ;;
   profile)
     for rows in 0 1; do

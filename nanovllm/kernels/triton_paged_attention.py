@@ -45,6 +45,8 @@ try:  # Triton >= 3.4; older ones load K/V through pointers only
 except ImportError:  # pragma: no cover - the pinned Triton has it
     TensorDescriptor = None
 
+from nanovllm.kernels import dependent_launch
+from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
 from nanovllm.kernels.reference import HostKV
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
@@ -213,11 +215,15 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr, PER_HEAD: tl.constexpr, KEY_CODES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
     DIRECT (one split): write the result at the token's row of out/lse (ACCUMULATE: merged by LSE with
     what the row holds), else partials at [i, head, split]. PER_HEAD: each KV head has its own block
-    table row and KV length (tables [B, Hk, max_blocks], seq_lens [B, Hk]: block-sparse selections)."""
+    table row and KV length (tables [B, Hk, max_blocks], seq_lens [B, Hk]: block-sparse selections).
+    PDL: a dependent launch; every input may be a previous kernel's output, so it waits before any load."""
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -290,13 +296,15 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_ptr, seq_ids_ptr, seq_lens_ptr, num_splits,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_ns, stride_nh, group, block_n,
-    HEAD_DIM: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Log-sum-exp merge of the splits of partials [i, head, :] that have tiles (the decode kernel's split rule on
     the sequence's length; the others wrote nothing) into the token's row of out/lse (ACCUMULATE: also with what
     that row holds). No split with tiles: out 0, lse -inf (ACCUMULATE: the row unchanged). One variant for every
     split count (with a second one padded to 16 splits, rows past 16 splits compiled the wide one on the request
-    path)."""
+    path). PDL: a dependent launch, waiting before any load."""
+    let_next_start(PDL)
+    wait_for_previous(PDL)
     i = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if INDEXED:
@@ -488,6 +496,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     accumulate: bool = False,
     host_kv: HostKV | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new token per sequence (at row cu_query_lens[i]) over its paged KV.
 
@@ -498,7 +507,8 @@ def paged_decode_attention(
     lse [T, Hq] float32) to write into, else new tensors; accumulate=True merges the result by
     log-sum-exp with the partial result already in out (lse -inf: none). host_kv: table entries
     >= host_kv.base name blocks of its host caches (pinned memory, read in place through unified
-    addressing: no copy). Returns (out, lse)."""
+    addressing: no copy). pdl: the decode and merge kernels as dependent launches (kernels/dependent_launch.py) where
+    the device has them. Returns (out, lse)."""
     _check(q, k_cache, v_cache)
     host_args = _host_kv_args(host_kv, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
@@ -527,6 +537,7 @@ def paged_decode_attention(
     indexed = seq_ids is not None
     ids = seq_ids if indexed else seq_lens  # an unused pointer when not indexed
     group = num_heads // num_kv_heads
+    pdl = pdl and dependent_launch.supported(q.device)
     _decode_kernel[(num_programs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, cu_query_lens, seq_lens, block_tables, ids, scale * _LOG2E,
         num_splits, q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -536,8 +547,8 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
         ACCUMULATE=accumulate, HOST_KV=host_kv is not None, PER_HEAD=per_head,
-        KEY_CODES=host_kv is not None and host_kv.key_codes is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        KEY_CODES=host_kv is not None and host_kv.key_codes is not None, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
@@ -545,8 +556,7 @@ def paged_decode_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             seq_lens.stride(0), seq_lens.stride(1) if per_head else 0, group, block_n,
-            HEAD_DIM=head_dim, INDEXED=indexed,
-            ACCUMULATE=accumulate, num_warps=4,
+            HEAD_DIM=head_dim, INDEXED=indexed, ACCUMULATE=accumulate, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out, lse
 

@@ -38,6 +38,9 @@ class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True
     prefill_through_cudnn = True  # one long prefill sequence through cuDNN where takes_cudnn_route says so
     pack_heads = False  # the prefill kernel's programs over a KV head's query heads (PrefillConfig.pack_heads)
+    # the decode and merge kernels as dependent launches (kernels/dependent_launch.py; Hopper+): off until timed,
+    # set beside TritonLayerOps.dependent_launch (benches' --dependent-launch)
+    dependent_launch = False
 
     def __init__(self) -> None:
         try:
@@ -52,7 +55,8 @@ class TritonPagedAttention(AttentionBackend):
         if not is_decode_step(q, meta):
             raise ValueError("host-resident KV is read in place by decode steps only")
         return self.ops.paged_decode_attention(q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor,
-                                               meta.block_tables_tensor, scale, host_kv=host_kv)[0]
+                                               meta.block_tables_tensor, scale, host_kv=host_kv,
+                                               pdl=self.dependent_launch)[0]
 
     def forward_with_lse(
         self,
@@ -66,13 +70,14 @@ class TritonPagedAttention(AttentionBackend):
         """Returns (out [T, Hq, D], lse [T, Hq] float32 natural log) over the cache (new K/V already stored)."""
         tensors = (q, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens_tensor, meta.block_tables_tensor, scale)
         if is_decode_step(q, meta):
-            return self.ops.paged_decode_attention(*tensors, out=out)
+            return self.ops.paged_decode_attention(*tensors, out=out, pdl=self.dependent_launch)
         plan = self._plan(q, k_cache, meta)
         if plan.cudnn and out is None:
             return cudnn_prefill(q, k_cache, v_cache, meta, scale)
         out = self.ops.paged_prefill_attention(*tensors, schedule=plan.schedule, config=plan.config, out=out)
         if plan.decode_ids is not None:
-            self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode, out=out)
+            self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode, out=out,
+                                            pdl=self.dependent_launch)
         return out
 
     def history_attention(self, q, k_cache, v_cache, meta, scale, out):
@@ -83,7 +88,7 @@ class TritonPagedAttention(AttentionBackend):
                                              causal=False, accumulate=True)
         if plan.decode_ids is not None:
             self.ops.paged_decode_attention(*tensors, seq_ids=plan.decode_ids, max_seq_len=plan.longest_decode,
-                                            out=out, accumulate=True)
+                                            out=out, accumulate=True, pdl=self.dependent_launch)
 
     def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, history: bool = False) -> PrefillPlan:
         """The step's plan, kept in the metadata and reused by every layer (same shapes)."""
