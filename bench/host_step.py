@@ -7,6 +7,7 @@ machine, per step, against the same engine offline (`step_states`) in the same p
 
     python3 bench/host_step.py --batches 256 64 16 [--async-scheduling] [--profile]
     python3 bench/host_step.py --batches 256 --rounds 1 --prompt-len 256 --new-tokens 128 --step-kinds 1000
+    python3 bench/host_step.py --batches 256 --rounds 0 --gc-requests 4000 [--gc-model DIR]
 
 "offline" drives `LLMEngine.step_states()` as the server's engine process does without a front end; "server"
 drives the engine process's own loop (`EngineLoop` over `_FrontEnds`), its events sent through a pipe to a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import multiprocessing
 import pstats
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine import gc_watch  # noqa: E402
 from nanovllm.engine.step_plan import STEP_KINDS, StepPlan  # noqa: E402
 from nanovllm.engine.worker import StepOutput  # noqa: E402
 from nanovllm.server.engine_core import EngineLoop, _FrontEnds  # noqa: E402
@@ -142,6 +145,50 @@ def step_kinds(llm: LLM, num_requests: int, prompt_len: int, new_tokens: int) ->
     return dict(zip(STEP_KINDS, (b - a for a, b in zip(before, llm.stats().steps))))
 
 
+class FullCollections:
+    """Count and time this process's full (generation-2) collections while inside."""
+
+    def __enter__(self):
+        self.count, self.seconds, self._started = 0, 0.0, 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - self._started
+
+
+def gc_rounds(llm: LLM, requests: int, prompt_len: int, new_tokens: int, rounds: int) -> list[dict]:
+    """The server loop over `requests` requests (max_num_seqs at a time), the heap as built and then frozen as the
+    server's engine process freezes it (gc_watch.freeze_start_up_heap), alternating: every collection's time
+    (gc_watch), the full ones apart, and the run's wall time."""
+    gc_watch.watch()
+    results = []
+    for _ in range(rounds):
+        for frozen in (False, True):
+            if frozen:
+                gc_watch.freeze_start_up_heap()
+            before, started = gc_watch.seconds(), time.perf_counter()
+            with FullCollections() as full:
+                run_server(llm, requests, prompt_len, new_tokens)
+            row = {"frozen": frozen, "wall_s": time.perf_counter() - started, "gc_s": gc_watch.seconds() - before,
+                   "full_collections": full.count, "full_s": full.seconds}
+            print(f"{requests} requests, heap {'frozen' if frozen else 'as built'}: run {row['wall_s']:.2f} s, "
+                  f"collections {row['gc_s'] * 1e3:.0f} ms, of which {full.count} full {full.seconds * 1e3:.0f} ms",
+                  flush=True)
+            results.append(row)
+            if frozen:
+                gc.unfreeze()
+    return results
+
+
 def summary(times: list[float]) -> dict:
     return {"steps": len(times), "median_us": statistics.median(times) * 1e6, "mean_us": statistics.fmean(times) * 1e6}
 
@@ -157,13 +204,20 @@ def main() -> None:
     parser.add_argument("--step-kinds", type=int, default=0, metavar="N",
                         help="also count the steps of N requests (--prompt-len in, --new-tokens out) added at once, "
                              "at max_num_seqs = the largest batch, by kind: decode only, prefill only, mixed")
+    parser.add_argument("--gc-requests", type=int, default=0, metavar="N",
+                        help="also run the server loop over N requests with the heap as built and frozen, alternating "
+                             "--gc-rounds times: the garbage collector's time in each")
+    parser.add_argument("--gc-rounds", type=int, default=3)
+    parser.add_argument("--gc-model", type=Path, default=None,
+                        help="a model to load beside the engine for --gc-requests, so that the heap holds what a real "
+                             "engine's does (the tiny config's engine holds fewer objects)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/nanovllm_host_step_model"))
     parser.add_argument("--out", type=Path, default=None, help="JSON of every run")
     args = parser.parse_args()
     args.model_dir.mkdir(parents=True, exist_ok=True)
     (args.model_dir / "config.json").write_text(json.dumps(TINY))
     results = []
-    for batch in args.batches:
+    for batch in args.batches if args.rounds else []:  # --rounds 0: only the counts asked for below
         llm = build_engine(args.model_dir, batch, args.async_scheduling)
         run_offline(llm, batch, args.prompt_len, args.new_tokens)  # untimed: first-use costs
         rows = {"offline": [], "server": []}
@@ -190,6 +244,11 @@ def main() -> None:
         print(f"{args.step_kinds} requests of {args.prompt_len} in / {args.new_tokens} out, max_num_seqs "
               f"{max(args.batches)}: {sum(kinds.values())} steps: " + ", ".join(f"{v} {k}" for k, v in kinds.items()))
         results.append({"step_kinds": kinds, "requests": args.step_kinds})
+    if args.gc_requests:
+        llm = build_engine(args.model_dir, max(args.batches), args.async_scheduling)
+        real = LLM(str(args.gc_model), device="cpu", dtype="float32", max_model_len=2048) if args.gc_model else None
+        print(f"objects the collector tracks: {len(gc.get_objects())}" + (f" (with {args.gc_model.name})" if real else ""))
+        results.append({"gc": gc_rounds(llm, args.gc_requests, args.prompt_len, args.new_tokens, args.gc_rounds)})
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

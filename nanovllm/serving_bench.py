@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import gc
 import json
 import math
 import os
@@ -146,8 +147,10 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     steps_after = server_steps(url)
     if steps_before is not None and steps_after is not None:
         summary["engine_steps"] = {kind: int(steps_after[kind] - steps_before[kind]) for kind in steps_after
-                                   if kind != "seconds"}
+                                   if kind not in ("seconds", "gc_seconds")}
         summary["engine_step_s"] = steps_after["seconds"] - steps_before["seconds"]
+        if steps_after["gc_seconds"] is not None and steps_before["gc_seconds"] is not None:
+            summary["engine_gc_s"] = steps_after["gc_seconds"] - steps_before["gc_seconds"]
     summary["client_cpu_busy"] = sum(cpu for *_, cpu in shares) / (duration * processes)
     busy = [(process_cpu_seconds(pid) - before) / duration for pid, before in zip(front_ends, server_cpu)
             if before is not None and process_cpu_seconds(pid) is not None]
@@ -194,7 +197,8 @@ class EngineWatch:
 
 def server_steps(url: str) -> dict[str, float] | None:
     """The server's engine steps so far by kind and the seconds spent in them ("seconds"; its /metrics), or None
-    where it has no such metric."""
+    where it has no such metric; "gc_seconds": its engine process's garbage collections (None on a server without
+    that metric)."""
     import httpx
 
     from nanovllm.engine.step_plan import STEP_KINDS
@@ -206,7 +210,10 @@ def server_steps(url: str) -> dict[str, float] | None:
         return None
     steps = {kind: metrics.get(f'nanovllm:engine_steps_total{{kind="{kind}"}}') for kind in STEP_KINDS}
     steps["seconds"] = metrics.get("nanovllm:engine_step_seconds_total")
-    return None if None in steps.values() else steps
+    if None in steps.values():
+        return None
+    steps["gc_seconds"] = metrics.get("nanovllm:engine_gc_seconds_total")
+    return steps
 
 
 def wait_front_ends(server_pid: int, count: int, timeout: float = 300.0) -> None:
@@ -286,11 +293,24 @@ def offline_throughput(model: str | None, engine_options: dict, prompts, out_len
                        ) -> list[dict]:
     """The same prompts through LLM.generate in this process: the ceiling for any arrival rate. One run per entry of
     `loads`, beside that many processes that keep a core busy each (0: alone): what the host's other work (the
-    server's clients and front ends share its cores) costs the engine itself."""
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.engine.step_plan import STEP_KINDS
+    server's clients and front ends share its cores) costs the engine itself. The start-up heap is frozen as in the
+    server's engine process, so that neither side meets a full collection over it that the other does not."""
+    from nanovllm import LLM
+    from nanovllm.engine import gc_watch
 
     llm = LLM(model, **engine_options)
+    gc_watch.freeze_start_up_heap()
+    gc_watch.watch()
+    try:
+        return _offline_runs(llm, prompts, out_lens, loads)
+    finally:
+        gc.unfreeze()  # the engine's memory is freed with it once this process lets it go
+
+
+def _offline_runs(llm, prompts, out_lens, loads: tuple[int, ...]) -> list[dict]:
+    from nanovllm import SamplingParams
+    from nanovllm.engine.step_plan import STEP_KINDS
+
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
     runs = []
@@ -304,7 +324,8 @@ def offline_throughput(model: str | None, engine_options: dict, prompts, out_len
         runs.append({"output_tokens": tokens, "duration_s": seconds, "output_throughput_tok_s": tokens / seconds,
                      "busy_processes": load,
                      "engine_steps": dict(zip(STEP_KINDS, (b - a for a, b in zip(before.steps, after.steps)))),
-                     "engine_step_s": after.step_seconds - before.step_seconds})
+                     "engine_step_s": after.step_seconds - before.step_seconds,
+                     "engine_gc_s": after.gc_seconds - before.gc_seconds})
     return runs
 
 
@@ -372,6 +393,8 @@ def _steps(run: dict) -> str:
     if "engine_step_s" in run and count:
         text += (f" in {run['engine_step_s']:.2f} s of the run's {run['duration_s']:.2f} s "
                  f"({run['engine_step_s'] / count * 1e3:.2f} ms each)")
+    if "engine_gc_s" in run:
+        text += f", garbage collections {run['engine_gc_s'] * 1e3:.0f} ms"
     return text
 
 

@@ -274,7 +274,7 @@ def test_metrics_are_prometheus_text(server):
         "nanovllm:request_errors": "counter", "nanovllm:requests_rejected": "counter",
         "nanovllm:kv_blocks_used": "gauge", "nanovllm:kv_blocks_total": "gauge",
         "nanovllm:host_kv_bytes_read": "counter", "nanovllm:engine_steps": "counter",
-        "nanovllm:engine_step_seconds": "counter",
+        "nanovllm:engine_step_seconds": "counter", "nanovllm:engine_gc_seconds": "counter",
         "nanovllm:time_to_first_token_seconds": "histogram",
         "nanovllm:inter_token_latency_seconds": "histogram", "nanovllm:e2e_request_latency_seconds": "histogram",
         "nanovllm:request_queue_time_seconds": "histogram"}

@@ -93,6 +93,7 @@ def test_bench_client_in_several_processes_counts_every_token(server):
     steps = result["engine_steps"]  # from the server's /metrics around the run: at least one step per output token
     assert set(steps) == {"decode", "mixed", "prefill"} and sum(steps.values()) >= 6, steps
     assert 0 < result["engine_step_s"] < result["duration_s"]  # the engine's time in steps over the run
+    assert 0 <= result["engine_gc_s"] < result["duration_s"]  # its process's garbage collections
     # polled from /metrics while the run went on: a step is counted when it ends, so a tenth shorter than a CPU
     # step can hold more than its length; over the run they add up to the engine's step seconds
     busy = result["engine_busy_by_tenth"]

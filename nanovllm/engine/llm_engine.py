@@ -30,6 +30,7 @@ import torch
 
 from nanovllm import request_log, validation
 from nanovllm.config import EngineConfig
+from nanovllm.engine import gc_watch
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed.executor import TensorParallelError
 from nanovllm.engine.detokenizer import OutputText
@@ -57,6 +58,7 @@ class EngineStats:
     num_preemptions: int
     steps: tuple[int, int, int] = (0, 0, 0)  # steps run so far by kind, STEP_KINDS' order (engine/step_plan.py)
     step_seconds: float = 0.0  # wall time spent in step() so far: with the run's length, how busy the loop kept it
+    gc_seconds: float = 0.0  # wall time this process spent in cyclic garbage collections (gc_watch.watch(): else 0)
 
 
 class StepFailed(RuntimeError):
@@ -217,7 +219,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
                            bm.num_blocks, bm.num_used_host_blocks, bm.num_host_blocks, self.scheduler.num_preemptions,
-                           tuple(self.runner.planner.steps), self._step_seconds)
+                           tuple(self.runner.planner.steps), self._step_seconds, gc_watch.seconds())
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

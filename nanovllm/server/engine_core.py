@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nanovllm.config import EngineConfig
+from nanovllm.engine import gc_watch
 from nanovllm.engine.llm_engine import EngineStats, LLMEngine, StepFailed
 from nanovllm.engine.model_files import load_tokenizer
 from nanovllm.engine.request_state import RequestState
@@ -238,6 +239,7 @@ class CoreStart:
     config: EngineConfig
     pool: PoolLimits
     stats: EngineStats
+    frozen_objects: int  # the start-up heap kept out of the garbage collector's reach (gc_watch)
 
 
 Link = tuple[Connection, Connection]  # a front end's (commands it sends, events it receives)
@@ -293,6 +295,7 @@ class CoreClient:
         self.config: EngineConfig = start.config
         self.block_manager = start.pool
         self._stats: EngineStats = start.stats
+        self.frozen_objects = start.frozen_objects
         self.tokenizer = load_tokenizer(Path(self.config.model_path))
 
     def stats(self) -> EngineStats:
@@ -693,9 +696,11 @@ def _engine_process_main(model: str | None, options: dict, log_requests: bool, l
         first_events.send(("start_failed", e if type(e) in (ValueError, TypeError, FileNotFoundError) else
                            RuntimeError(f"the engine could not start: {e!r}")))
         return
+    frozen = gc_watch.freeze_start_up_heap()
+    gc_watch.watch()
     bm = engine.block_manager
     first_events.send(("started", CoreStart(engine.config, PoolLimits(bm.num_blocks, bm.num_host_blocks, bm.block_size),
-                                            engine.stats())))
+                                            engine.stats(), frozen)))
     front_ends = _FrontEnds([events for _, events in links])
     loop = EngineLoop(engine, front_ends, build_outputs=False)
     commands = {connection: sink for (connection, _), sink in zip(links, front_ends.sinks)}

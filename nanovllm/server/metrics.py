@@ -35,6 +35,7 @@ class ServerMetrics:
         self._last_preemptions = 0
         self._last_steps = (0,) * len(STEP_KINDS)
         self._last_step_seconds = 0.0
+        self._last_gc_seconds = 0.0
         self.running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
         self.waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.pending = self._gauge("num_requests_pending", "Requests accepted by the server and not finished.")
@@ -57,6 +58,8 @@ class ServerMetrics:
                                     "graphs), mixed (prefill and decode rows), prefill rows only.", "kind", STEP_KINDS)
         self.step_seconds = self._counter("engine_step_seconds", "Wall time the engine loop spent in steps "
                                           "(its busy time: the rest it waited for requests).")
+        self.gc_seconds = self._counter("engine_gc_seconds", "Wall time the engine process spent in Python's cyclic "
+                                        "garbage collections (the engine loop stands still meanwhile).")
         self.ttft = self._histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                                     TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -99,6 +102,9 @@ class ServerMetrics:
         if stats.step_seconds > self._last_step_seconds:
             self.step_seconds.inc(stats.step_seconds - self._last_step_seconds)
             self._last_step_seconds = stats.step_seconds
+        if stats.gc_seconds > self._last_gc_seconds:
+            self.gc_seconds.inc(stats.gc_seconds - self._last_gc_seconds)
+            self._last_gc_seconds = stats.gc_seconds
 
     def set_pending(self, pending: int) -> None:
         self.pending.set(pending)
