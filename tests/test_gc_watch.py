@@ -4,6 +4,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from nanovllm.engine import gc_watch
 
 
@@ -39,3 +41,20 @@ def test_a_frozen_heap_is_skipped_by_collections():
         gc.unfreeze()
     gc.collect()
     assert frozen() is None
+
+
+def test_serve_freezes_the_front_ends_heap_before_it_serves(tiny_llama, monkeypatch):
+    """`nanovllm serve` (and each front end of several): the server built, its heap frozen before the first
+    request (a full collection over a front end's ~460K objects would stall every stream)."""
+    pytest.importorskip("uvicorn")
+    from nanovllm import LLM
+    from nanovllm.server import app
+
+    seen = []
+    monkeypatch.setattr(app._DrainingServer, "run", lambda self, sockets=None: seen.append(gc.get_freeze_count()))
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", num_gpu_blocks=16, kvcache_block_size=16)
+    try:
+        app.serve(llm, "127.0.0.1", 0)
+    finally:
+        gc.unfreeze()
+    assert seen and seen[0] > 10_000

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from nanovllm.engine import gc_watch
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
@@ -345,6 +346,7 @@ def serve(llm: LLM | CoreClient, host: str, port: int, options: ServerOptions = 
                             timeout_keep_alive=options.timeout_keep_alive)
     uvicorn_server = _DrainingServer(config, server.engine, handles_sigint=sock is None)
     server.engine.on_fatal = lambda: setattr(uvicorn_server, "should_exit", True)
+    gc_watch.freeze_start_up_heap()  # a full collection would stall every stream for its walk over ~460K objects
     try:
         uvicorn_server.run(sockets=None if sock is None else [sock])
     finally:  # after a drain the engine has stopped already; after a second signal it must not be waited for
