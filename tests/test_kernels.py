@@ -779,7 +779,7 @@ sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*fp
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
 for group, dim, direct in [(4, 128, False), (4, 128, True), (3, 64, False)]:
     consts = dict(GROUP=group, GROUP_PAD=16, BLOCK_SIZE=16, HEAD_DIM=dim, BLOCK_N=16, INDEXED=False, DIRECT=direct,
-                  PRECISION="tf32", ACCUMULATE=False, HOST_KV=True, PER_HEAD=True, KEY_CODES=True)
+                  PRECISION="tf32", ACCUMULATE=False, HOST_KV=True, PER_HEAD=True, KEY_CODES=True, PDL=False)
     out = "*bf16" if direct else "*fp32"
     compiled = triton.compile(ASTSource(kernel, dict(sig, out_ptr=out), consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
@@ -791,7 +791,7 @@ sig = {name: "i32" for name in names[:first_constexpr]}
 sig.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", cu_ptr="*i32",
            seq_ids_ptr="*i32", seq_lens_ptr="*i32")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
-consts = dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=True)
+consts = dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=True, PDL=False)
 compiled = triton.compile(ASTSource(merge, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 assert compiled.asm["cubin"]
 print("ok")
