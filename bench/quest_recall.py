@@ -38,7 +38,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.eval.ruler.run import load_samples
 from nanovllm.eval.ruler.templates import Prompter
 from nanovllm.layers import kv_access
-from nanovllm.layers.sparse_policies import QUEST_PAGE_SIZE
+from nanovllm.layers.quest import QUEST_PAGE_SIZE
 
 
 @dataclass

@@ -52,7 +52,7 @@ from nanovllm.eval.ruler.scoring import sample_score
 from nanovllm.eval.ruler.tasks import TASKS, resolve_tasks
 from nanovllm.eval.ruler.templates import Prompter
 from nanovllm.layers.block_selector import DecodeLayout
-from nanovllm.layers.sparse_policies import QuestSelector
+from nanovllm.layers.quest import QuestSelector
 
 RULES = ("full", "engine", "group max", "oracle", "oracle max", "group softmax", "softmax max", "mean query",
          "exact max", "refine 2x", "refine 4x", "refine 8x", "rerank 2x", "rerank 4x", "rerank 8x",

@@ -49,7 +49,8 @@ from nanovllm.layers.attention import get_attention_backend
 from nanovllm.layers.block_selector import DenseSelector
 from nanovllm.layers.kv_access import DeviceKV
 from nanovllm.layers.block_metadata import BlockKeyCopy
-from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
+from nanovllm.layers.quest import QuestSelector
+from nanovllm.layers.xattention import XAttentionSelector
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 256
 

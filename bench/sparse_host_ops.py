@@ -32,7 +32,7 @@ from nanovllm.engine.offload.split import SplitKV
 from nanovllm.layers.attention import TorchPagedAttention
 from nanovllm.layers.block_selector import BlockSelector, DenseSelector, SparseStats
 from nanovllm.layers.kv_access import DeviceKV
-from nanovllm.layers.sparse_policies import XAttentionSelector
+from nanovllm.layers.xattention import XAttentionSelector
 
 HEADS, KV_HEADS, DIM, BLOCK = 14, 2, 64, 256
 HEAVY = {"aten::bmm", "aten::mm", "aten::addmm", "aten::_softmax", "aten::softmax", "aten::sort", "aten::cumsum"}

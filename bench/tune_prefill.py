@@ -56,7 +56,7 @@ def sweep_xattention(context: int, threshold: float, stride: int = 16) -> dict:
     from nanovllm.engine.kv_cache import PagedKVCache
     from nanovllm.layers.attention import get_attention_backend
     from nanovllm.layers.kv_access import DeviceKV
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     q, k, v = shaped_inputs(context, seed=context)
     blocks = -(-context // CACHE_BLOCK)

@@ -23,7 +23,7 @@ import torch
 
 from common import graph_ms, log, measure_hbm_bandwidth, require_cuda, save_results
 from nanovllm.kernels import triton_quest
-from nanovllm.layers.sparse_policies import quest_top_reference
+from nanovllm.layers.quest import quest_top_reference
 
 HEADS, KV_HEADS, DIM, BLOCK, PAGE = 32, 8, 128, 256, 16
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
-from nanovllm.layers.sparse_policies import QuestSelector
+from nanovllm.layers.quest import QuestSelector
 from test_sparse import PAGE_BS, PAGE_HK, PageStep
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))

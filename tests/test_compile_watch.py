@@ -172,7 +172,8 @@ def test_start_up_steps_run_the_policys_own_selection_below_its_minimum_context(
     511 keys)."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine.warm_up import compile_step_variants
-    from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
+    from nanovllm.layers.quest import QuestSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     options = dict(device="cpu", kvcache_block_size=32, num_gpu_blocks=8 if offload else 32, max_num_batched_tokens=64,
                    enable_cpu_offload=offload,

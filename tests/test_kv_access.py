@@ -321,7 +321,8 @@ def test_sparse_prefill_layer_makes_no_host_sync(policy, device):
     """A sparse layer of a mixed step (a prefill chunk beside a decode row) queues its work without reading
     anything back from the device: a sync per layer left the GPU idle while the host built the next one.
     On CUDA torch's sync debug mode raises at the op; on the CPU HostReadsOnCuda lists such ops."""
-    from nanovllm.layers.sparse_policies import QuestSelector, XAttentionSelector
+    from nanovllm.layers.quest import QuestSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     device, bs, blocks = torch.device(device), 64, 40
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

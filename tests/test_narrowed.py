@@ -15,7 +15,7 @@ from nanovllm.engine.step_stats import DeferredStats
 from nanovllm.layers.block_metadata import BlockKeyBounds
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
 from nanovllm.layers.kv_access import column_tables, head_tables
-from nanovllm.layers.sparse_policies import QuestSelector
+from nanovllm.layers.quest import QuestSelector
 from selection_helpers import positions_mask
 
 BS = 16

@@ -9,7 +9,7 @@ from compiled_helpers import assert_runs_compiled
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.layers.block_metadata import BlockKeyBounds
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
-from nanovllm.layers.sparse_policies import QuestSelector
+from nanovllm.layers.quest import QuestSelector
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BASE = 1 << 40
@@ -152,7 +152,7 @@ def test_ordered_top_columns_equal_the_reference(chunk, sink, budget, recent):
     keys), rows with fewer candidates than the budget, a row shorter than its sink and recent columns."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns
-    from nanovllm.layers.sparse_policies import quest_top_reference
+    from nanovllm.layers.quest import quest_top_reference
 
     g = torch.Generator().manual_seed(budget + sink)
     scores = torch.randn(5, 2, 300, generator=g)
@@ -171,7 +171,7 @@ def test_ordered_top_columns_over_narrow_score_ranges(step):
     for a high run of 16 in one row."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns
-    from nanovllm.layers.sparse_policies import quest_top_reference
+    from nanovllm.layers.quest import quest_top_reference
 
     g = torch.Generator().manual_seed(7)
     scores = 1.5 + step * torch.stack([torch.randperm(512, generator=g) for _ in range(6)]).view(2, 3, 512).float()
@@ -217,7 +217,7 @@ def test_two_stage_top_equals_the_one_stage_kernel(ties, sink, budget, recent):
     than the budget, tied scores (the first columns kept in both), a wider segment at budget 500."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_quest import ordered_top_columns, top_segment
-    from nanovllm.layers.sparse_policies import quest_top_reference
+    from nanovllm.layers.quest import quest_top_reference
 
     g = torch.Generator().manual_seed(budget + ties)
     width = 4 * top_segment(1 << 20, budget) + 300

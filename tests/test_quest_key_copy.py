@@ -12,7 +12,7 @@ from nanovllm import LLM
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.layers.block_metadata import BlockKeyCopy
 from nanovllm.layers.block_selector import DecodeLayout, SelectionInput
-from nanovllm.layers.sparse_policies import QuestSelector
+from nanovllm.layers.quest import QuestSelector
 from conftest import DEVICES
 from test_sparse import BS, GREEDY, PAGE_BS, PAGE_HK, PROMPTS, PageStep, positions_mask, quest_llm
 

@@ -9,7 +9,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import PagedKVCache
 from nanovllm.layers.block_metadata import BlockKeyBounds, BlockKeyCopy
 from nanovllm.layers.block_selector import SelectionInput
-from nanovllm.layers.sparse_policies import QuestSelector
+from nanovllm.layers.quest import QuestSelector
 
 from conftest import DEVICES
 from selection_helpers import positions_mask
@@ -327,7 +327,7 @@ def brute_force_xattention(q, keys, stride, granule, threshold, cover: str = "gr
 def test_xattention_selection_equals_brute_force(seq_len, n_q, granule, cover, one_copy):
     """GQA 2:1, stride 4, a chunk whose first query is not tile-aligned (chunked prefill); the estimate's tiles made
     either way (`one_copy_tiles`)."""
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     g = torch.Generator().manual_seed(seq_len)
     keys = torch.randn(seq_len, 2, 16, generator=g) * 2
@@ -348,7 +348,7 @@ def test_xattention_selection_equals_brute_force(seq_len, n_q, granule, cover, o
 def test_one_copy_tiles_equal_the_flip_and_copy_layout(seq_len, n_q, dtype):
     """key_tile_rows and the queries' tile rows made by one gather / one scaling kernel: the very tensors the
     flip-and-copy path makes (keys ragged past the last tile, queries starting mid-tile and ending mid-tile)."""
-    from nanovllm.layers.sparse_policies import antidiagonal_scores, key_tile_rows
+    from nanovllm.layers.xattention import antidiagonal_scores, key_tile_rows
 
     g = torch.Generator().manual_seed(seq_len + n_q)
     keys = (torch.randn(seq_len, 2, 16, generator=g) * 2).to(dtype)
@@ -364,7 +364,7 @@ def test_one_copy_tiles_equal_the_flip_and_copy_layout(seq_len, n_q, dtype):
 def test_xattention_estimate_in_query_chunks_equals_one_pass(chunk, seq_len, num_queries):
     """The estimate takes queries in chunks of whole granules (long contexts): the same masses as one pass
     (whole granules: the chunks that need no padding to sum per granule)."""
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     g = torch.Generator().manual_seed(chunk)
     keys, q = torch.randn(seq_len, 2, 16, generator=g), torch.randn(num_queries, 4, 16, generator=g)
@@ -443,7 +443,7 @@ def test_xattention_plus_quest_uses_each_for_its_rows(tiny_llama):
 def test_xattention_head_cover_is_the_union_of_single_head_groups():
     """cover "head" equals covering with each query head as its own group (keys repeated per query head),
     then the union over the KV head's query heads."""
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     g = torch.Generator().manual_seed(96)
     keys, q = torch.randn(96, 2, 16, generator=g) * 2, torch.randn(96, 4, 16, generator=g) * 2
@@ -481,7 +481,7 @@ def test_xattention_forced_blocks_are_the_definitions(kb, xb, chunks, dense_last
     """Each chunk's selection with xattn_dense_last_blocks / xattn_local_blocks equals the selection without
     them plus the blocks the definition forces (counted from the end of the prompt, not of the chunk); only
     the chunks holding the prompt's last blocks change through dense_last."""
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     g = torch.Generator().manual_seed(kb + xb)
     prompt_len, num_kv_heads, dim = chunks[-1][1], 2, 16
@@ -510,7 +510,7 @@ def test_xattention_forced_blocks_are_the_definitions(kb, xb, chunks, dense_last
 
 
 def test_xattention_dense_last_blocks_counts_from_the_prompt_end_not_the_chunk_end():
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     selector = XAttentionSelector(None, None, 0.3, 4, 16, 0, dense_last_blocks=2)
     keep, table = torch.zeros(1, 4, 4, dtype=torch.bool), [[0, 1, 2, 3]]
@@ -522,7 +522,7 @@ def test_xattention_dense_last_blocks_counts_from_the_prompt_end_not_the_chunk_e
 def xattn_forced_llm(path, monkeypatch, **options) -> LLM:
     """An XAttention engine whose estimate keeps nothing: it attends to the sink, the diagonal and the forced
     blocks only."""
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     monkeypatch.setattr(XAttentionSelector, "_fewest_covering",
                         lambda self, blocks: torch.zeros_like(blocks, dtype=torch.bool))
@@ -927,7 +927,7 @@ def test_fewest_covering_keeps_the_top_blocks_up_to_the_threshold_and_none_witho
     """Per row, the fewest blocks whose mass reaches the threshold (ranked by mass), against a loop over the
     rows: blocks without mass never kept, a row without mass keeps nothing, threshold 1.0 keeps every block
     with mass."""
-    from nanovllm.layers.sparse_policies import XAttentionSelector
+    from nanovllm.layers.xattention import XAttentionSelector
 
     g = torch.Generator().manual_seed(5)
     blocks = torch.rand(3, 6, 20, generator=g) ** 4

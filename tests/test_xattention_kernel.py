@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.layers.sparse_policies import XAttentionSelector
+from nanovllm.layers.xattention import XAttentionSelector
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -430,3 +430,13 @@ class SinkRecentSelector(BlockSelector):
             keep[:, max(0, n - self.recent_blocks):] = True
             masks.append(keep)
         return masks
+
+
+@contextlib.contextmanager
+def min_context_at_zero(selector) -> Iterator[None]:
+    """selector.min_context at 0 for the block: a policy's `BlockSelector.selecting_at_any_length`."""
+    saved, selector.min_context = selector.min_context, 0
+    try:
+        yield
+    finally:
+        selector.min_context = saved
