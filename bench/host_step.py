@@ -36,7 +36,8 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine import gc_watch  # noqa: E402
 from nanovllm.engine.step_plan import STEP_KINDS, StepPlan  # noqa: E402
 from nanovllm.engine.worker import StepOutput  # noqa: E402
-from nanovllm.server.engine_core import EngineLoop, _FrontEnds  # noqa: E402
+from nanovllm.server.engine_core import _FrontEnds  # noqa: E402
+from nanovllm.server.engine_loop import EngineLoop  # noqa: E402
 
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32, "hidden_act": "silu",
         "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 4096, "num_attention_heads": 2,

@@ -194,7 +194,7 @@ def test_a_server_that_cannot_bind_exits_1_and_ends_its_engine_process(tiny_llam
 def test_the_engine_loop_reports_each_request_first_scheduled_once_at_its_admission(tiny_llama, build_outputs):
     """With more requests than running slots, each request is reported first-scheduled exactly once, in the step
     that first computed any of its tokens (read from the step's admissions, not a scan of every queued request)."""
-    from nanovllm.server.engine_core import EngineLoop
+    from nanovllm.server.engine_loop import EngineLoop
 
     llm = LLM(str(tiny_llama), device="cpu", kvcache_block_size=16, num_gpu_blocks=64, max_num_seqs=2)
     reported: list[tuple[int, list[str]]] = []
@@ -239,7 +239,8 @@ def test_outputs_through_the_pipe_equal_the_loop_in_this_process(tiny_llama, asy
     requests.)"""
     from multiprocessing import Pipe
 
-    from nanovllm.server.engine_core import CoreClient, CoreStart, EngineLoop, PoolLimits, _FrontEnds
+    from nanovllm.server.engine_core import CoreClient, CoreStart, PoolLimits, _FrontEnds
+    from nanovllm.server.engine_loop import EngineLoop
 
     class Steps:
         def __init__(self):

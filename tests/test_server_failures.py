@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.server.app import OpenAIServer, ServerOptions
-from nanovllm.server.engine_core import MAX_CONSECUTIVE_STEP_FAILURES
+from nanovllm.server.engine_loop import MAX_CONSECUTIVE_STEP_FAILURES
 from nanovllm.server.metrics import parse_metrics
 from nanovllm.serving_bench import free_port
 from server_helpers import SMALL_ENGINE

@@ -13,7 +13,7 @@ pytest.importorskip("starlette")
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.server import responses as r
 from nanovllm.server.async_engine import _ACCEPTED, RequestStream
-from nanovllm.server.engine_core import RequestFailed
+from nanovllm.server.engine_loop import RequestFailed
 
 
 def output(text: str, token_ids: list[int], finish: str | None = None) -> RequestOutput:

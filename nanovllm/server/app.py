@@ -39,7 +39,8 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
 from nanovllm.server import responses as r
 from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from nanovllm.server.engine_core import CoreClient, RequestFailed, ThreadCore
+from nanovllm.server.engine_core import CoreClient
+from nanovllm.server.engine_loop import RequestFailed, ThreadCore
 from nanovllm.server.http import APIKeyMiddleware, EventStream, FrontEndHeader, read_json_body, with_header_timeout
 from nanovllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm.server.preprocess import PreparedRequest, Preprocessor, refusal

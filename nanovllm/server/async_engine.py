@@ -29,7 +29,7 @@ from nanovllm.engine.detokenizer import OutputText
 from nanovllm.engine.llm_engine import EngineStats
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.server.engine_core import CoreEvents, RequestFailed
+from nanovllm.server.engine_loop import CoreEvents, RequestFailed
 from nanovllm.server.metrics import ServerMetrics
 
 log = logging.getLogger("nanovllm.server")
@@ -46,7 +46,7 @@ class EngineUnavailable(Exception):
 
 
 class EngineCore(Protocol):
-    """Where the engine loop runs (engine_core.ThreadCore or EngineProcess)."""
+    """Where the engine loop runs (engine_loop.ThreadCore or engine_core.EngineProcess)."""
 
     tokenizer: object
 
