@@ -12,7 +12,9 @@
 #                                                   cuBLAS (--gemv-rows 0) alternating
 #   bash bench/device/speed_round.sh pdl            the dependent-launch CUDA tests, then batch-1 decode at 1K / 32K
 #                                                   and batch 32 at 1K, async, with and without --dependent-launch
-#                                                   alternating, twice; then the throughput workload the same way
+#                                                   alternating, twice
+#   bash bench/device/speed_round.sh pdl_throughput the throughput workload (async) with and without
+#                                                   --dependent-launch alternating, twice
 #   bash bench/device/speed_round.sh profile        profile_decode at batch 1 (cuBLAS, the GEMV) and at the
 #                                                   throughput workload's batch 256 (Qwen3-0.6B shape)
 #   bash bench/device/speed_round.sh serving [OLD]  the server at rate inf against the offline engine (its time in
@@ -53,7 +55,8 @@ case ${1:-} in
     for run in 1 2; do
       latency "$here" async_pdl$run --async-scheduling --dependent-launch
       latency "$here" async_plain$run --async-scheduling
-    done
+    done ;;
+  pdl_throughput)
     for run in 1 2; do
       for flag in --dependent-launch ""; do
         if [ -n "$flag" ]; then name=throughput_pdl$run; else name=throughput_plain$run; fi
