@@ -91,13 +91,19 @@ def sample_on_device(
     if not all(p.greedy for p in params):
         greedy = _to(logits.device, [p.greedy for p in params])
         scores = filter_logits(logits, params)
-        noise = torch.empty_like(scores).exponential_(generator=default_generator)
+        noise = _exponential(scores.shape, default_generator, scores.device)
         for i, gen in enumerate(generators):
             if gen is not None:  # seeded requests draw from their own stream
-                noise[i].exponential_(generator=gen)
+                noise[i] = _exponential(scores.shape[1:], gen, scores.device)
         sampled = torch.sub(scores, noise.log_()).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     return tokens
+
+
+def _exponential(shape: torch.Size, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise as -log(U), U uniform: the distribution of Tensor.exponential_, whose CPU kernel is 4-7x slower
+    (15 ms against 3.4 for a [16, 49152] batch on the 2-core VM: an eighth of a SmolLM2 decode step there)."""
+    return torch.rand(shape, generator=generator, device=device).log_().neg_()
 
 
 def _use_fused(logits: torch.Tensor, params: list[SamplingParams]) -> bool:
