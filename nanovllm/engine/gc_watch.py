@@ -16,7 +16,6 @@ import time
 class _Watch:
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.collections = 0
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -24,7 +23,6 @@ class _Watch:
             self._started = time.perf_counter()
         else:
             self.seconds += time.perf_counter() - self._started
-            self.collections += 1
 
 
 _watch: _Watch | None = None
