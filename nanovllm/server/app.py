@@ -348,6 +348,7 @@ def serve(llm: LLM | CoreClient, host: str, port: int, options: ServerOptions = 
     uvicorn_server = _DrainingServer(config, server.engine, handles_sigint=sock is None)
     server.engine.on_fatal = lambda: setattr(uvicorn_server, "should_exit", True)
     gc_watch.freeze_start_up_heap()  # a full collection would stall every stream for its walk over ~460K objects
+    gc_watch.watch()  # with --engine-core thread the engine's process is this one (its stats' gc_seconds)
     try:
         uvicorn_server.run(sockets=None if sock is None else [sock])
     finally:  # after a drain the engine has stopped already; after a second signal it must not be waited for
