@@ -99,12 +99,15 @@ def timed(fn):
 def set_layer_ops(llm, gemv_rows: int | None, dependent_launch: bool = False) -> None:
     """A bench's --gemv-rows (the rows up to which the engine's projections run through the Triton GEMV; None: the
     engine's default) and --dependent-launch (TritonLayerOps.dependent_launch and the attention backend's), the
-    decode graphs recaptured when either changes."""
+    decode graphs recaptured and the start-up's eager steps run again when either changes. Before the first
+    request."""
     ops = llm.runner.layer_ops
     wanted = {"gemv_rows": gemv_rows, "dependent_launch": dependent_launch or None}
     changed = {k: v for k, v in wanted.items() if v is not None and getattr(ops, k, None) != v}
     if not changed:
         return
+    if sum(llm.stats().steps):
+        raise SystemExit("set_layer_ops runs before the engine's first request (its warm-up writes the first blocks)")
     if ops.name != "triton":
         raise SystemExit(f"--gemv-rows / --dependent-launch need the Triton layer ops, the engine runs {ops.name!r}")
     for name, value in changed.items():
@@ -112,6 +115,11 @@ def set_layer_ops(llm, gemv_rows: int | None, dependent_launch: bool = False) ->
     if "dependent_launch" in changed:  # the decode attention and merge kernels too
         llm.runner.backend.dependent_launch = changed["dependent_launch"]
     llm.runner.recapture_decode_graphs()
+    worker = llm.runner.worker
+    if worker.device.type == "cuda":  # the eager steps' variants too: none compiled on the request path
+        from nanovllm.engine.warm_up import compile_step_variants
+
+        compile_step_variants(worker)
 
 
 def save_results(name: str, results: dict) -> None:
