@@ -6,6 +6,10 @@ the prefix-free chunk.
 
     PYTHONPATH=. python3 bench/tune_prefill.py [--prefixes 0 8192 24576] [--chunk 8192] [--head-dim 128]
     PYTHONPATH=. python3 bench/tune_prefill.py --xattention-contexts 131072 [--threshold 0.9]
+    PYTHONPATH=. python3 bench/tune_prefill.py --xattention-contexts 131072 --block-m 128 256 --warps 8 --pack 0 1
+
+--block-m / --block-n / --warps / --stages / --tma / --pack replace that axis of the sweep (default: GRID; a
+256-row query tile only when asked for).
 
 --xattention-contexts sweeps the same variants on the block-sparse prefill instead: one layer of XAttention over
 bench/sparse.py's shaped inputs (its estimate and selection, then the kernel over per-KV-head tables of the selected
@@ -49,7 +53,13 @@ def sdpa_ms(chunk: int, dim: int) -> tuple[float, str]:
     return sdpa_causal_ms(q, k, v, repeats=5)
 
 
-def sweep_xattention(context: int, threshold: float, stride: int = 16) -> dict:
+def variants(grid: dict) -> list:
+    """Every PrefillConfig of the grid whose key tile divides the cache block."""
+    configs = (ops.PrefillConfig(**dict(zip(grid, values))) for values in itertools.product(*grid.values()))
+    return [c for c in configs if BLOCK % c.block_n == 0]
+
+
+def sweep_xattention(context: int, threshold: float, grid: dict, stride: int = 16) -> dict:
     """ms of one XAttention prefill layer's attention (the layer less its estimate) per kernel variant, the
     variants' outputs checked against the default's."""
     from sparse import BLOCK as CACHE_BLOCK, DIM, KV_HEADS as HK, shaped_inputs, sparse_batch
@@ -81,10 +91,7 @@ def sweep_xattention(context: int, threshold: float, stride: int = 16) -> dict:
 
     base_ms, want = layer(None)
     rows = []
-    for values in itertools.product(*GRID.values()):
-        config = ops.PrefillConfig(**dict(zip(GRID, values)))
-        if CACHE_BLOCK % config.block_n:
-            continue
+    for config in variants(grid):
         try:
             ms, got = layer(config)
         except Exception as exc:  # out of shared memory or registers for this combination
@@ -108,11 +115,17 @@ def main() -> None:
     ap.add_argument("--xattention-contexts", nargs="+", type=int, default=[],
                     help="sweep the block-sparse prefill instead: one XAttention layer at each context")
     ap.add_argument("--threshold", type=float, default=0.9, help="XAttention's threshold for --xattention-contexts")
+    for flag, key, choices in (("--block-m", "block_m", (64, 128, 256)), ("--block-n", "block_n", (32, 64, 128)),
+                               ("--warps", "num_warps", (4, 8)), ("--stages", "num_stages", (2, 3, 4)),
+                               ("--tma", "tma", (0, 1)), ("--pack", "pack_heads", (0, 1))):
+        ap.add_argument(flag, dest=key, nargs="+", type=int, choices=choices, help=f"the sweep's {key} values")
     args = ap.parse_args()
+    grid = {key: tuple(getattr(args, key) or values) for key, values in GRID.items()}
+    grid["tma"], grid["pack_heads"] = (tuple(bool(v) for v in grid[k]) for k in ("tma", "pack_heads"))
     require_cuda()
     if args.xattention_contexts:
         save_results("tune_prefill_xattention",
-                     {"layers": [sweep_xattention(c, args.threshold) for c in args.xattention_contexts]})
+                     {"layers": [sweep_xattention(c, args.threshold, grid) for c in args.xattention_contexts]})
         return
     default = ops.prefill_config(torch.bfloat16, args.head_dim, BLOCK)
     peer_ms, peer = sdpa_ms(args.chunk, args.head_dim)
@@ -123,10 +136,7 @@ def main() -> None:
         call = inputs(args.chunk, prefix, args.head_dim)
         want = ops.paged_prefill_attention(*call, config=default)[0]
         rows = []
-        for values in itertools.product(*GRID.values()):
-            config = ops.PrefillConfig(**dict(zip(GRID, values)))
-            if BLOCK % config.block_n:
-                continue
+        for config in variants(grid):
             fn = lambda: ops.paged_prefill_attention(*call, config=config)  # noqa: E731
             try:
                 got = fn()[0]

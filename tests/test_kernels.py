@@ -328,7 +328,8 @@ def test_decode_merge_of_more_than_16_splits(ops, num_splits):
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("block_m,block_n,block_size", [(16, 16, 16), (32, 16, 64), (128, 64, 64), (64, 32, 32)])
+@pytest.mark.parametrize("block_m,block_n,block_size", [(16, 16, 16), (32, 16, 64), (128, 64, 64), (64, 32, 32),
+                                                         (256, 64, 64)])  # 256 rows: tune_prefill's --block-m 256
 def test_prefill_tile_shapes(ops, block_m, block_n, block_size, tma):
     rng = random.Random(block_m + block_n)
     query_lens, seq_lens = random_mixed_lens(rng, 4, 70, 200)
@@ -649,8 +650,8 @@ def test_prefill_kernel_with_per_head_tables(ops, causal):
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("kv_heads,group,block_m", [(2, 4, 32), (1, 8, 64), (2, 2, 16), (2, 3, 32)],
-                         ids=["group4", "group8", "group2", "group3-unpacked"])
+@pytest.mark.parametrize("kv_heads,group,block_m", [(2, 4, 32), (1, 8, 64), (2, 2, 16), (2, 3, 32), (2, 4, 256)],
+                         ids=["group4", "group8", "group2", "group3-unpacked", "group4-256rows"])
 def test_prefill_kernel_with_packed_heads(ops, kv_heads, group, block_m, tma):
     """A program over a KV head's query heads (block_m // group queries of each): dense and per-KV-head tables,
     causal and history, merged into a partial result, equal to the reference; a group that does not divide the
@@ -672,7 +673,8 @@ def test_prefill_kernel_with_packed_heads(ops, kv_heads, group, block_m, tma):
 
 def test_packed_prefill_kernel_compiles_for_sm90_without_a_gpu():
     """The interpreter accepts code the compiler rejects: the packed prefill kernel (Llama's shape, bf16, per-KV-head
-    tables, K/V through tensor descriptors and through pointers) compiled for sm_90 through Triton's ptxas."""
+    tables, K/V through tensor descriptors and through pointers; 256-row tiles on 8 warps as tune_prefill may try)
+    compiled for sm_90 through Triton's ptxas, within a Hopper block's shared memory."""
     pytest.importorskip("triton")
     code = """
 import triton
@@ -680,16 +682,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nanovllm.kernels.triton_paged_attention import _prefill_kernel as kernel
 first_constexpr = kernel.arg_names.index("GROUP")
-for tma in (True, False):
+for tma, block_m, warps in ((True, 128, 4), (False, 128, 4), (True, 256, 8)):  # 256 rows: tune_prefill's widest
     cache = "tensordesc<bf16[64,128]>" if tma else "*bf16"
     sig = {name: "i32" for name in kernel.arg_names[:first_constexpr]}
     sig.update(q_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, out_ptr="*bf16", lse_ptr="*fp32", cu_ptr="*i32",
                seq_lens_ptr="*i32", tables_ptr="*i64", schedule_ptr="*i32", qk_scale="fp32")
     sig.update({name: "constexpr" for name in kernel.arg_names[first_constexpr:]})
-    consts = dict(GROUP=4, BLOCK_SIZE=256, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, PRECISION="tf32", CAUSAL=True,
-                  ACCUMULATE=True, PER_HEAD=True, TMA=tma, PACK=True, TILE=32)
+    consts = dict(GROUP=4, BLOCK_SIZE=256, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=64, PRECISION="tf32", CAUSAL=True,
+                  ACCUMULATE=True, PER_HEAD=True, TMA=tma, PACK=True, TILE=block_m // 4)
     compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 3})
+                              options={"num_warps": warps, "num_stages": 3})
+    assert compiled.metadata.shared <= 232448  # an H100/H200 block's shared memory
     assert compiled.asm["cubin"]
 print("ok")
 """
