@@ -248,7 +248,8 @@ def main() -> None:
     if args.gc_requests:
         llm = build_engine(args.model_dir, max(args.batches), args.async_scheduling)
         real = LLM(str(args.gc_model), device="cpu", dtype="float32", max_model_len=2048) if args.gc_model else None
-        print(f"objects the collector tracks: {len(gc.get_objects())}" + (f" (with {args.gc_model.name})" if real else ""))
+        beside = f" (with {args.gc_model.name})" if real else ""
+        print(f"objects the collector tracks: {len(gc.get_objects())}{beside}")
         results.append({"gc": gc_rounds(llm, args.gc_requests, args.prompt_len, args.new_tokens, args.gc_rounds)})
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

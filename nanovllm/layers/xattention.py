@@ -203,7 +203,8 @@ class XAttentionSelector(BlockSelector):
         sum per granule (`softmax_granule_sums` is the one-kernel path)."""
         probs = scores.softmax(-1)  # in the scores' dtype: half-precision probabilities (float32 inside) on the GPU
         mass = probs.flatten(0, 1) if self.cover == "head" else probs.sum(1, dtype=torch.float32)
-        pads = (0, key_granules * tiles_per_granule - mass.shape[2], lead, rows * tiles_per_granule - lead - mass.shape[1])
+        pads = (0, key_granules * tiles_per_granule - mass.shape[2],
+                lead, rows * tiles_per_granule - lead - mass.shape[1])
         whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
         return whole.view(mass.shape[0], rows, tiles_per_granule, key_granules, tiles_per_granule).sum(
             (2, 4), dtype=torch.float32)

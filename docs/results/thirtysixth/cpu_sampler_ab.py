@@ -5,7 +5,8 @@ new = sampler._exponential
 def old(shape, generator, device):
     return torch.empty(shape, device=device).exponential_(generator=generator)
 llm = LLM(os.path.expanduser("~/.cache/nanovllm/smollm2-135m"), device="cpu", dtype="float32")
-prompts = [f"Write a short story about a {w} who learns to fly." for w in ("cat", "dog", "fish", "robot", "tree", "cloud", "stone", "river")] * 2
+animals = ("cat", "dog", "fish", "robot", "tree", "cloud", "stone", "river")
+prompts = [f"Write a short story about a {w} who learns to fly." for w in animals] * 2
 params = SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True)
 llm.generate(prompts[:2], params, use_tqdm=False)
 for r in range(3):
