@@ -146,26 +146,6 @@ def step_kinds(llm: LLM, num_requests: int, prompt_len: int, new_tokens: int) ->
     return dict(zip(STEP_KINDS, (b - a for a, b in zip(before, llm.stats().steps))))
 
 
-class FullCollections:
-    """Count and time this process's full (generation-2) collections while inside."""
-
-    def __enter__(self):
-        self.count, self.seconds, self._started = 0, 0.0, 0.0
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if info["generation"] != 2:
-            return
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - self._started
-
-
 def gc_rounds(llm: LLM, requests: int, prompt_len: int, new_tokens: int, rounds: int) -> list[dict]:
     """The server loop over `requests` requests (max_num_seqs at a time), the heap as built and then frozen as the
     server's engine process freezes it (gc_watch.freeze_start_up_heap), alternating: every collection's time
@@ -176,14 +156,13 @@ def gc_rounds(llm: LLM, requests: int, prompt_len: int, new_tokens: int, rounds:
         for frozen in (False, True):
             if frozen:
                 gc_watch.freeze_start_up_heap()
-            before, started = gc_watch.seconds(), time.perf_counter()
-            with FullCollections() as full:
-                run_server(llm, requests, prompt_len, new_tokens)
+            before, full_before, started = gc_watch.seconds(), gc_watch.full_collections(), time.perf_counter()
+            run_server(llm, requests, prompt_len, new_tokens)
+            full, full_s = (after - was for after, was in zip(gc_watch.full_collections(), full_before))
             row = {"frozen": frozen, "wall_s": time.perf_counter() - started, "gc_s": gc_watch.seconds() - before,
-                   "full_collections": full.count, "full_s": full.seconds}
+                   "full_collections": full, "full_s": full_s}
             print(f"{requests} requests, heap {'frozen' if frozen else 'as built'}: run {row['wall_s']:.2f} s, "
-                  f"collections {row['gc_s'] * 1e3:.0f} ms, of which {full.count} full {full.seconds * 1e3:.0f} ms",
-                  flush=True)
+                  f"collections {row['gc_s'] * 1e3:.0f} ms, of which {full} full {full_s * 1e3:.0f} ms", flush=True)
             results.append(row)
             if frozen:
                 gc.unfreeze()

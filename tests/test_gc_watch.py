@@ -23,9 +23,13 @@ def test_watched_collections_add_their_time():
     gc_watch.watch()
     gc_watch.watch()  # once per process: a second call adds no second callback
     assert sum(callback is gc_watch._watch for callback in gc.callbacks) == 1
-    before = gc_watch.seconds()
-    gc.collect()
+    before, (full, full_seconds) = gc_watch.seconds(), gc_watch.full_collections()
+    gc.collect()  # a full one
     assert gc_watch.seconds() > before
+    count, seconds = gc_watch.full_collections()
+    assert count == full + 1 and seconds > full_seconds
+    gc.collect(0)  # the youngest generation alone: not a full one
+    assert gc_watch.full_collections()[0] == count
 
 
 def test_a_frozen_heap_is_skipped_by_collections():

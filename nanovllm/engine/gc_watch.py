@@ -16,13 +16,19 @@ import time
 class _Watch:
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.full_collections = 0  # of the oldest generation: the ones that walk the whole heap
+        self.full_seconds = 0.0
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
+            return
+        took = time.perf_counter() - self._started
+        self.seconds += took
+        if info["generation"] == 2:
+            self.full_collections += 1
+            self.full_seconds += took
 
 
 _watch: _Watch | None = None
@@ -39,6 +45,11 @@ def watch() -> None:
 def seconds() -> float:
     """Wall time spent in collections since `watch()`; 0.0 without it."""
     return _watch.seconds if _watch is not None else 0.0
+
+
+def full_collections() -> tuple[int, float]:
+    """(count, wall seconds) of the full collections since `watch()`; (0, 0.0) without it."""
+    return (_watch.full_collections, _watch.full_seconds) if _watch is not None else (0, 0.0)
 
 
 def freeze_start_up_heap() -> int:
