@@ -134,19 +134,15 @@ class EngineConfig:
             raise ValueError("max_model_len is required: the model config has no max_position_embeddings")
 
     def _check_tensor_parallel(self) -> None:
-        """Heads and MLP columns split evenly over the ranks; KV heads split, or replicated when fewer."""
+        """Heads and MLP columns split over the ranks (distributed/sharding.py: KV heads split, unevenly where they
+        do not divide, or replicated when fewer)."""
         n, c = self.tensor_parallel_size, self.hf_config
         if n == 1 or not c:
             return
+        from nanovllm.distributed.sharding import check_divisible
+
         heads = c.get("num_attention_heads", 1)
-        kv_heads = c.get("num_key_value_heads") or heads
-        if heads % n:
-            raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={heads}")
-        if kv_heads % n and n % kv_heads:
-            raise ValueError(f"tensor_parallel_size={n} and num_key_value_heads={kv_heads} must divide one another "
-                             "(KV heads are split across ranks, or replicated when there are fewer)")
-        if c.get("intermediate_size", 0) % n:
-            raise ValueError(f"tensor_parallel_size={n} must divide intermediate_size={c['intermediate_size']}")
+        check_divisible(heads, c.get("num_key_value_heads") or heads, c.get("intermediate_size", n), n)
 
     def _check_sparse_options(self) -> None:
         if self.sparse_policy not in SPARSE_POLICIES:

@@ -27,6 +27,9 @@ CASES = {
     "llama": ("llama", {}),  # 2 KV heads: one per rank
     "qwen2-1kv-tied": ("qwen2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),  # the KV head replicated
     "qwen3-odd-vocab": ("qwen3", {"head_dim": 32, "vocab_size": 251}),  # vocabulary split 126 + 125
+    # SmolLM2's heads (9 over 3 KV heads): KV heads 2 + 1 with their query heads, MLP columns 65 + 64
+    "llama-uneven": ("llama", {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 144,
+                               "intermediate_size": 129}),
 }
 MEMORY = {
     "device": dict(num_gpu_blocks=64),
@@ -90,7 +93,7 @@ def test_two_ranks_match_one(models, case, memory):
     with LLM(str(models[case]), tensor_parallel_size=2, **options) as two:
         assert len(spawned_children()) == 1
         assert two.block_manager.num_blocks == one.block_manager.num_blocks
-        assert two.runner.kv_cache.num_kv_heads == max(1, one.runner.kv_cache.num_kv_heads // 2)
+        assert two.runner.kv_cache.num_kv_heads == max(1, -(-one.runner.kv_cache.num_kv_heads // 2))  # rank 0's
         if memory == "offload":  # cpu_kv_cache_gb is shared by the ranks
             assert two.block_manager.num_host_blocks == int(0.01 * 2**30 / 2 // two.runner.bytes_per_block)
         got = run(two)
@@ -101,6 +104,21 @@ def test_two_ranks_match_one(models, case, memory):
     assert got[len(PROMPTS) + 1].metrics.num_cached_tokens >= len(PREFIX) // BS * BS  # the second call hit the cache
     if memory == "offload":
         assert two.runner.host_pool.stats.h2d_bytes > 0
+
+
+def test_smollm2_two_ranks_match_one(smollm2_path):
+    """SmolLM2-135M's own weights in fp32 (issue #20's check, here over gloo): its 9 query heads over 3 KV heads split
+    6 + 3 (KV heads 2 + 1), its MLP 768 + 768 columns; greedy tokens equal, logprobs within 1e-4."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:", "1, 2, 3, 5, 8,"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    options = dict(device="cpu", dtype="float32", max_model_len=512, num_gpu_blocks=16)
+    want = LLM(str(smollm2_path), **options).generate(prompts, params, use_tqdm=False)
+    with LLM(str(smollm2_path), tensor_parallel_size=2, **options) as two:
+        assert (two.runner.model.config.num_heads, two.runner.kv_cache.num_kv_heads) == (6, 2)  # rank 0's share
+        got = two.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert_close_logprobs(g.outputs[0].logprobs, w.outputs[0].logprobs)
 
 
 @pytest.mark.parametrize("host_keys", ["host", "copy"])
@@ -171,23 +189,29 @@ def _running(pid: int) -> bool:
 
 
 def expected_shard(full: dict[str, torch.Tensor], name: str, hf: dict, rank: int) -> torch.Tensor:
-    """Rank `rank` of 2's part of a one-rank parameter, from the config's numbers alone."""
+    """Rank `rank` of 2's part of a one-rank parameter, from the config's numbers alone: KV heads and MLP columns
+    halved, rank 0 taking the odd one; query heads with their KV heads; one KV head replicated."""
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     d = hf.get("head_dim") or hf["hidden_size"] // heads
-    q, kv, inter = heads * d, kv_heads * d, hf["intermediate_size"]
-    local_kv = max(1, kv_heads // 2) * d
-    kv_start = rank * local_kv if kv_heads >= 2 else 0
+    inter, group = hf["intermediate_size"], heads // kv_heads
+    halves = lambda n: (0, -(-n // 2)) if rank == 0 else (-(-n // 2), n // 2)  # noqa: E731  (first, count)
+    if kv_heads >= 2:
+        kv_first, kv_count = halves(kv_heads)
+        q_first, q_count = kv_first * group, kv_count * group
+    else:
+        kv_first, kv_count, q_first, q_count = 0, 1, rank * heads // 2, heads // 2
+    q, kv, (i_first, i_count) = heads * d, kv_heads * d, halves(inter)
     rows = lambda t, lo, n: t[lo : lo + n]  # noqa: E731
     t = full[name]
     if "qkv_proj" in name:
-        return torch.cat([rows(t, rank * q // 2, q // 2), rows(t, q + kv_start, local_kv),
-                          rows(t, q + kv + kv_start, local_kv)])
+        return torch.cat([rows(t, q_first * d, q_count * d), rows(t, q + kv_first * d, kv_count * d),
+                          rows(t, q + kv + kv_first * d, kv_count * d)])
     if "gate_up_proj" in name:
-        return torch.cat([rows(t, rank * inter // 2, inter // 2), rows(t, inter + rank * inter // 2, inter // 2)])
+        return torch.cat([rows(t, i_first, i_count), rows(t, inter + i_first, i_count)])
     if "o_proj" in name:
-        return t[:, rank * q // 2 : (rank + 1) * q // 2]
+        return t[:, q_first * d : (q_first + q_count) * d]
     if "down_proj" in name:
-        return t[:, rank * inter // 2 : (rank + 1) * inter // 2]
+        return t[:, i_first : i_first + i_count]
     if "embed_tokens" in name or "lm_head" in name:
         per_rank = -(-hf["vocab_size"] // 2)
         return t[rank * per_rank : (rank + 1) * per_rank]
@@ -232,21 +256,24 @@ def test_too_many_gpus_is_refused_before_anything_starts(tiny_llama, monkeypatch
     assert spawned_children() == []
 
 
-@pytest.mark.parametrize("heads, kv_heads, inter, message", [
-    (6, 3, 8, "num_key_value_heads=3 must divide one another"),
-    (5, 5, 8, "must divide num_attention_heads=5"),
-    (4, 2, 9, "must divide intermediate_size=9"),
+@pytest.mark.parametrize("heads, kv_heads, inter, size, message", [
+    (6, 3, 8, 4, "tensor_parallel_size=4 exceeds num_key_value_heads=3"),  # 3 KV heads cannot serve 4 ranks
+    (5, 1, 8, 2, "divide num_attention_heads=5"),  # one replicated KV head: the query heads must split evenly
+    (4, 2, 1, 2, "exceeds intermediate_size=1"),
 ])
-def test_heads_that_do_not_divide_are_refused(heads, kv_heads, inter, message):
+def test_heads_that_cannot_be_shared_are_refused(heads, kv_heads, inter, size, message):
     hf = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
               max_position_embeddings=64)
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="m", hf_config=hf, tensor_parallel_size=2)
+        EngineConfig(model="m", hf_config=hf, tensor_parallel_size=size)
 
 
-def test_fewer_kv_heads_than_ranks_is_accepted():
-    hf = dict(num_attention_heads=8, num_key_value_heads=2, intermediate_size=8, max_position_embeddings=64)
-    assert EngineConfig(model="m", hf_config=hf, tensor_parallel_size=4).tensor_parallel_size == 4
+@pytest.mark.parametrize("heads, kv_heads, inter, size", [(8, 2, 8, 4), (9, 3, 1536, 2), (32, 8, 14336, 3)])
+def test_fewer_kv_heads_than_ranks_and_uneven_splits_are_accepted(heads, kv_heads, inter, size):
+    """One KV head replicated over 2 ranks; SmolLM2's 3 KV heads over 2 ranks (2 + 1); 8 over 3 (3 + 3 + 2)."""
+    hf = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+              max_position_embeddings=64)
+    assert EngineConfig(model="m", hf_config=hf, tensor_parallel_size=size).tensor_parallel_size == size
 
 
 def test_tp_flag_alias():

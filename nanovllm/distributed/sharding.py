@@ -1,6 +1,7 @@
-"""What each rank holds of a decoder: its attention heads, KV heads (split, or one replicated head when
-there are fewer KV heads than ranks), MLP columns and vocabulary rows; and which slice of each checkpoint
-tensor that is (`Placement`), so the loader reads only this rank's part."""
+"""What each rank holds of a decoder: its attention heads, KV heads (split, the first ranks one more where they do
+not divide, or one replicated head when there are fewer KV heads than ranks), MLP columns (split alike) and
+vocabulary rows; and which slice of each checkpoint tensor that is (`Placement`), so the loader reads only this
+rank's part."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,6 @@ from dataclasses import dataclass
 
 from nanovllm.distributed.parallel_state import TensorParallel
 
-COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
-ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 VOCAB_PARALLEL = frozenset({"embed_tokens", "lm_head"})
 
 
@@ -26,13 +25,41 @@ class Placement:
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
-    if num_heads % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={num_heads}")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={num_kv_heads} must divide one "
-                         "another (KV heads are split across ranks, or replicated when there are fewer)")
-    if intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={intermediate_size}")
+    """KV heads are split over the ranks (unevenly where they do not divide: the first ranks take one more, each
+    with its query heads), or, fewer than the ranks, replicated: then the query heads must split evenly."""
+    if num_kv_heads < size and (size % num_kv_heads or num_heads % size):
+        raise ValueError(f"tensor_parallel_size={size} exceeds num_key_value_heads={num_kv_heads}: it must then be a "
+                         f"multiple of them and divide num_attention_heads={num_heads} (each KV head replicated)")
+    if intermediate_size < size:
+        raise ValueError(f"tensor_parallel_size={size} exceeds intermediate_size={intermediate_size}")
+
+
+def split(total: int, size: int, rank: int) -> tuple[int, int]:
+    """(first, count) of rank's share of `total` items over `size` ranks: the first total % size ranks one more, so
+    rank 0 (the driver, whose pool sizes set the block manager's host blocks) holds the most."""
+    base, extra = divmod(total, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """A rank's query heads and KV heads: [first_head, first_head + num_heads), [first_kv_head, ...)."""
+
+    first_head: int
+    num_heads: int
+    first_kv_head: int
+    num_kv_heads: int
+
+
+def head_share(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadShare:
+    """The rank's KV heads (its split, or the one head its query heads use when replicated) and the query heads that
+    read them."""
+    if num_kv_heads >= tp.size:
+        first_kv, kv_count = split(num_kv_heads, tp.size, tp.rank)
+        group = num_heads // num_kv_heads
+        return HeadShare(first_kv * group, kv_count * group, first_kv, kv_count)
+    per_rank = num_heads // tp.size
+    return HeadShare(tp.rank * per_rank, per_rank, tp.rank // (tp.size // num_kv_heads), 1)
 
 
 def local_config(cfg, tp: TensorParallel):
@@ -40,15 +67,9 @@ def local_config(cfg, tp: TensorParallel):
     if tp.size == 1:
         return cfg
     check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp.size)
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size, num_kv_heads=max(1, cfg.num_kv_heads // tp.size),
-                               intermediate_size=cfg.intermediate_size // tp.size)
-
-
-def first_kv_head(num_kv_heads: int, tp: TensorParallel) -> int:
-    """The first KV head of this rank: its share, or the one head its query heads use when replicated."""
-    if num_kv_heads >= tp.size:
-        return tp.rank * (num_kv_heads // tp.size)
-    return tp.rank // (tp.size // num_kv_heads)
+    heads = head_share(cfg.num_heads, cfg.num_kv_heads, tp)
+    return dataclasses.replace(cfg, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads,
+                               intermediate_size=split(cfg.intermediate_size, tp.size, tp.rank)[1])
 
 
 def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
@@ -61,19 +82,22 @@ def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
     return start, size
 
 
-def shard(module: str, leaf: str, local, full_kv_heads: int, tp: TensorParallel) -> tuple[int | None, int, int]:
+def shard(module: str, leaf: str, full, tp: TensorParallel) -> tuple[int | None, int, int]:
     """(dim, start, size) of the checkpoint tensor `<module>.<leaf>` this rank keeps; dim None: all of it.
-    local: this rank's DecoderConfig."""
-    d = local.head_dim
+    full: the whole model's DecoderConfig."""
+    d = full.head_dim
+    heads = head_share(full.num_heads, full.num_kv_heads, tp)
+    first_column, columns = split(full.intermediate_size, tp.size, tp.rank)
     if module == "q_proj":
-        return 0, tp.rank * local.num_heads * d, local.num_heads * d
+        return 0, heads.first_head * d, heads.num_heads * d
     if module in ("k_proj", "v_proj"):
-        return 0, first_kv_head(full_kv_heads, tp) * d, local.num_kv_heads * d
+        return 0, heads.first_kv_head * d, heads.num_kv_heads * d
     if module in ("gate_proj", "up_proj"):
-        return 0, tp.rank * local.intermediate_size, local.intermediate_size
-    if module in ROW_PARALLEL and leaf == "weight":
-        width = local.num_heads * d if module == "o_proj" else local.intermediate_size
-        return 1, tp.rank * width, width
+        return 0, first_column, columns
+    if module == "o_proj" and leaf == "weight":
+        return 1, heads.first_head * d, heads.num_heads * d
+    if module == "down_proj" and leaf == "weight":
+        return 1, first_column, columns
     if module in VOCAB_PARALLEL:
-        return 0, *vocab_range(local.vocab_size, tp)
+        return 0, *vocab_range(full.vocab_size, tp)
     return None, 0, 0

@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
     def _placement(self, param: str, module: str, leaf: str, row: int) -> Placement:
         if self.tp.size == 1:
             return Placement(param, row)
-        return Placement(param, row, *shard(module, leaf, self.config, self.full_config.num_kv_heads, self.tp))
+        return Placement(param, row, *shard(module, leaf, self.full_config, self.tp))
 
     def checkpoint_pieces(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A parameter of the one-rank model as the checkpoint tensors it is loaded from (packed ones split)."""
