@@ -139,10 +139,10 @@ class EngineConfig:
         n, c = self.tensor_parallel_size, self.hf_config
         if n == 1 or not c:
             return
-        from nanovllm.distributed.sharding import check_divisible
+        from nanovllm.distributed.sharding import check_shareable
 
         heads = c.get("num_attention_heads", 1)
-        check_divisible(heads, c.get("num_key_value_heads") or heads, c.get("intermediate_size", n), n)
+        check_shareable(heads, c.get("num_key_value_heads") or heads, c.get("intermediate_size", n), n)
 
     def _check_sparse_options(self) -> None:
         if self.sparse_policy not in SPARSE_POLICIES:

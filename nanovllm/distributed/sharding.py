@@ -24,7 +24,7 @@ class Placement:
     size: int = 0
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+def check_shareable(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
     """KV heads are split over the ranks (unevenly where they do not divide: the first ranks take one more, each
     with its query heads), or, fewer than the ranks, replicated: then the query heads must split evenly."""
     if num_kv_heads < size and (size % num_kv_heads or num_heads % size):
@@ -66,7 +66,7 @@ def local_config(cfg, tp: TensorParallel):
     """A DecoderConfig with this rank's head and MLP counts (vocabulary and hidden size unchanged)."""
     if tp.size == 1:
         return cfg
-    check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp.size)
+    check_shareable(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp.size)
     heads = head_share(cfg.num_heads, cfg.num_kv_heads, tp)
     return dataclasses.replace(cfg, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads,
                                intermediate_size=split(cfg.intermediate_size, tp.size, tp.rank)[1])
