@@ -19,6 +19,16 @@ GENERATION_CONFIGS = ("auto", "vllm")
 NOT_OPTIONS = ("model", "model_path", "hf_config")
 
 
+def check_shareable(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    """KV heads are split over the ranks (unevenly where they do not divide: the first ranks take one more, each
+    with its query heads), or, fewer than the ranks, replicated: then the query heads must split evenly."""
+    if num_kv_heads < size and (size % num_kv_heads or num_heads % size):
+        raise ValueError(f"tensor_parallel_size={size} exceeds num_key_value_heads={num_kv_heads}: it must then be a "
+                         f"multiple of them and divide num_attention_heads={num_heads} (each KV head replicated)")
+    if intermediate_size < size:
+        raise ValueError(f"tensor_parallel_size={size} exceeds intermediate_size={intermediate_size}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """All engine options. Unknown keys raise TypeError; bad values raise ValueError."""
@@ -139,8 +149,6 @@ class EngineConfig:
         n, c = self.tensor_parallel_size, self.hf_config
         if n == 1 or not c:
             return
-        from nanovllm.distributed.sharding import check_shareable
-
         heads = c.get("num_attention_heads", 1)
         check_shareable(heads, c.get("num_key_value_heads") or heads, c.get("intermediate_size", n), n)
 

@@ -36,7 +36,7 @@ def test_unknown_option_names_it(tiny_llama):
     ("dtype", "int8", "dtype"),
     ("device", "tpu", "device"),
     ("max_model_len", 10**6, "max_position_embeddings=512"),
-    ("tensor_parallel_size", 3, "tensor_parallel_size=3 must divide num_attention_heads=4"),
+    ("tensor_parallel_size", 3, "tensor_parallel_size=3 exceeds num_key_value_heads=2"),
     ("tensor_parallel_size", 0, "tensor_parallel_size"),
 ])
 def test_invalid_option_values(tiny_llama, option, value, message):

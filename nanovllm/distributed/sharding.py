@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from nanovllm.config import check_shareable
 from nanovllm.distributed.parallel_state import TensorParallel
 
 VOCAB_PARALLEL = frozenset({"embed_tokens", "lm_head"})
@@ -22,16 +23,6 @@ class Placement:
     dim: int | None = None
     start: int = 0
     size: int = 0
-
-
-def check_shareable(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
-    """KV heads are split over the ranks (unevenly where they do not divide: the first ranks take one more, each
-    with its query heads), or, fewer than the ranks, replicated: then the query heads must split evenly."""
-    if num_kv_heads < size and (size % num_kv_heads or num_heads % size):
-        raise ValueError(f"tensor_parallel_size={size} exceeds num_key_value_heads={num_kv_heads}: it must then be a "
-                         f"multiple of them and divide num_attention_heads={num_heads} (each KV head replicated)")
-    if intermediate_size < size:
-        raise ValueError(f"tensor_parallel_size={size} exceeds intermediate_size={intermediate_size}")
 
 
 def split(total: int, size: int, rank: int) -> tuple[int, int]:
