@@ -105,15 +105,29 @@ async def send_all(url: str, model: str, prompts, out_lens, rate: float, seed: i
         return results, start, time.time()
 
 
-def client_share(url: str, model: str, prompts, out_lens, rate: float, seed: int, start_at: float):
+def client_share(url: str, model: str, prompts, out_lens, rate: float, seed: int, ready=None):
     """One client process's share (run in a child): its results, wall-clock start (first send) and end (last
-    response), CPU seconds."""
+    response), CPU seconds. With `ready` (a barrier of every share), it waits there after its imports."""
     import httpx  # noqa: F401 - imported before the start, so that the shares' first sends go out together
 
-    time.sleep(max(0.0, start_at - time.time()))  # the shares start together
+    if ready is not None:
+        ready.wait()
     cpu = time.process_time()
     results, start, end = asyncio.run(send_all(url, model, prompts, out_lens, rate, seed))
     return results, start, end, time.process_time() - cpu
+
+
+def start_together(fn, shares: list[tuple]) -> list:
+    """fn(*share, ready) for each share in a spawned process of its own, every one past the barrier `ready`
+    only once all have started (a child's start-up, its imports, takes seconds, and as long as one child is
+    late the others would load the server alone)."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=context) as pool:
+        ready = manager.Barrier(len(shares))
+        return list(pool.map(fn, *zip(*shares), [ready] * len(shares)))
 
 
 def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0, processes: int = 1,
@@ -126,24 +140,18 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     steps_before = server_steps(url)
     watch = EngineWatch(url) if steps_before is not None else None
     if processes == 1:
-        results, start, end, client_cpu = client_share(url, model, prompts, out_lens, rate, seed, 0.0)
-        shares = [(results, start, end, client_cpu)]
+        shares = [client_share(url, model, prompts, out_lens, rate, seed)]
     else:
-        import concurrent.futures
-        import multiprocessing
-
-        start_at = time.time() + 1.0  # after the children have started
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-            shares = list(pool.map(client_share, [url] * processes, [model] * processes,
-                                   [prompts[k::processes] for k in range(processes)],
-                                   [out_lens[k::processes] for k in range(processes)], [rate / processes] * processes,
-                                   [seed + k for k in range(processes)], [start_at] * processes))
-    first_send, last_end = min(start for _, start, _, _ in shares), max(end for _, _, end, _ in shares)
+        shares = start_together(client_share, [(url, model, prompts[k::processes], out_lens[k::processes],
+                                                rate / processes, seed + k) for k in range(processes)])
+    starts = [start for _, start, _, _ in shares]
+    first_send, last_end = min(starts), max(end for _, _, end, _ in shares)
     duration = last_end - first_send
     summary = summarize(rate, [r for results, *_ in shares for r in results], duration)
     if watch is not None:
         summary["engine_busy_by_tenth"] = watch.stop(first_send, last_end)
     summary["client_processes"] = processes
+    summary["client_start_spread_s"] = max(starts) - first_send  # the last client process's first send after the first
     steps_after = server_steps(url)
     if steps_before is not None and steps_after is not None:
         summary["engine_steps"] = {kind: int(steps_after[kind] - steps_before[kind]) for kind in steps_after
@@ -412,7 +420,10 @@ def print_report(report: dict) -> None:
         s = "/".join(f"{r['e2e_s'].get(k, float('nan')):.2f}" for k in ("p50", "p90", "p99"))
         print(f"{r['request_rate']!s:>6} {r['completed']:>5} {r['output_throughput_tok_s']:>9.1f} "
               f"{r['fraction_of_peer']:>8.2f} | {ms(r['ttft_s']):>22} | {ms(r['tpot_s']):>22} | {s:>20}")
-        busy = f"client CPU busy {r['client_cpu_busy']:.2f} ({r['client_processes']} processes)"
+        busy = f"client CPU busy {r['client_cpu_busy']:.2f} ({r['client_processes']} processes"
+        if r["client_processes"] > 1:
+            busy += f", first sends within {r['client_start_spread_s'] * 1e3:.0f} ms"
+        busy += ")"
         if "server_cpu_busy" in r:
             busy += f", server front end {r['server_cpu_busy']:.2f}"
             if r["server_front_ends"] > 1:

@@ -60,3 +60,20 @@ def test_busy_cores_keeps_that_many_processes_spinning_while_the_block_runs():
     assert not any(p.is_alive() for p in spinners)
     with busy_cores(0):
         assert not multiprocessing.active_children()
+
+
+def _after_start_up(start_up: float, ready) -> float:
+    import time
+
+    time.sleep(start_up)  # a child slow to import
+    ready.wait()
+    return time.time()
+
+
+def test_client_processes_start_together_however_long_each_takes_to_start_up():
+    """bench serving's client processes send their first requests together: one 1.5 s later to start up than the
+    other still goes past the barrier with it (a fixed start time, as before, let the early one run alone)."""
+    from nanovllm.serving_bench import start_together
+
+    went = start_together(_after_start_up, [(0.0,), (1.5,)])
+    assert max(went) - min(went) < 0.2, went
