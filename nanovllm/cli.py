@@ -73,7 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     request_log.enable(args.enable_log_requests)
     options = ServerOptions(args.served_model_name, args.max_pending_requests, api_key_from(args.api_key),
                             tuple(args.allowed_origins or ()), args.max_request_body_bytes, args.timeout_keep_alive,
-                            args.timeout_request_read, load_chat_template(args.chat_template), args.api_server_count)
+                            args.timeout_request_read, load_chat_template(args.chat_template), args.api_server_count,
+                            args.uvicorn_loop, args.uvicorn_http)
     if args.api_server_count > 1:
         serve_front_ends(model, args, options)
     elif args.engine_core == "process":
@@ -162,6 +163,11 @@ def add_serve_parser(sub) -> None:
                        help="HTTP front-end processes sharing the listening socket and one engine process (needs "
                             "--engine-core process); each tokenizes, detokenizes and streams its own requests, and "
                             "its /metrics counts its own requests beside the engine's gauges (default: 1)")
+    serve.add_argument("--uvicorn-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                       help="the front end's event loop (default: auto, uvloop where installed)")
+    serve.add_argument("--uvicorn-http", default="auto", choices=["auto", "httptools", "h11"],
+                       help="the front end's HTTP parser (default: auto, httptools where installed; h11 is pure "
+                            "Python and costs more CPU per streamed token)")
     add_engine_options(serve)
     serve.set_defaults(func=cmd_serve)
 

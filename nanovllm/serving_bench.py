@@ -504,8 +504,9 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_server(args.model, [*engine_args, "--engine-core", args.engine_core, "--api-server-count",
-                                         str(args.api_server_count)], port, out_dir / "serving_server.log")
+        server_args = ["--engine-core", args.engine_core, "--api-server-count", str(args.api_server_count),
+                       "--uvicorn-loop", args.uvicorn_loop, "--uvicorn-http", args.uvicorn_http]
+        proc = start_server(args.model, [*engine_args, *server_args], port, out_dir / "serving_server.log")
     try:
         wait_healthy(url, proc)
         if proc is not None and args.api_server_count > 1:
@@ -537,7 +538,8 @@ def run(args: argparse.Namespace, engine_options: dict, engine_args: list[str]) 
                                             (0, args.peer_cpu_load) if args.peer_cpu_load else (0,))
         peer = {"name": "offline LLM.generate", **alone}
     else:
-        peer = {"name": "rate-inf run", **{k: inf_run[k] for k in ("output_tokens", "duration_s", "output_throughput_tok_s")}}
+        peer = {"name": "rate-inf run",
+                **{k: inf_run[k] for k in ("output_tokens", "duration_s", "output_throughput_tok_s")}}
     for r in results:
         r["fraction_of_peer"] = r["output_throughput_tok_s"] / peer["output_throughput_tok_s"]
     report = {"title": f"{model}: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out",
@@ -579,6 +581,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="the started server's --api-server-count: HTTP front-end processes over one engine "
                              "process; 'server front end' then sums them and names the busiest (default: 1)")
+    parser.add_argument("--uvicorn-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                        help="the started server's --uvicorn-loop (default: auto)")
+    parser.add_argument("--uvicorn-http", default="auto", choices=["auto", "httptools", "h11"],
+                        help="the started server's --uvicorn-http (default: auto)")
     parser.add_argument("--profile-server", action="store_true",
                         help="sample the started server's processes (engine, each front end) with py-spy during the "
                              "rate-inf run: the functions on top of most samples in the report, raw stacks in "

@@ -38,6 +38,20 @@ def server(smollm2_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def h11_server(smollm2_path, tmp_path_factory):
+    """The same limits over uvicorn's pure-Python h11 parser (the module's server takes httptools where installed)."""
+    log = tmp_path_factory.mktemp("hardening_h11") / "server.log"
+    args = ["--num-gpu-blocks", "16", "--timeout-request-read", str(READ_TIMEOUT), "--timeout-keep-alive", "1",
+            "--uvicorn-http", "h11", "--uvicorn-loop", "asyncio"]
+    srv = ServerProcess(smollm2_path, args, log, env={"NANOVLLM_API_KEY": KEY})
+    yield srv
+    srv.stop()
+
+
+PARSERS = ["server", "h11_server"]
+
+
+@pytest.fixture(scope="module")
 def greedy_text(server) -> str:
     response = post(server, "/v1/completions", GREEDY)
     assert response.status_code == 200, response.text
@@ -135,7 +149,9 @@ def closed_within(sock: socket.socket, seconds: float) -> bytes:
     return data
 
 
-def test_slow_headers_are_cut_off(server):
+@pytest.mark.parametrize("parser", PARSERS)
+def test_slow_headers_are_cut_off(parser, request):
+    server = request.getfixturevalue(parser)
     with raw_connection(server) as sock:
         started = time.monotonic()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
@@ -150,7 +166,9 @@ def test_slow_headers_are_cut_off(server):
         assert time.monotonic() - started >= READ_TIMEOUT - 0.5
 
 
-def test_slow_body_gets_408(server):
+@pytest.mark.parametrize("parser", PARSERS)
+def test_slow_body_gets_408(parser, request):
+    server = request.getfixturevalue(parser)
     with raw_connection(server) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
@@ -158,7 +176,9 @@ def test_slow_body_gets_408(server):
     assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
 
 
-def test_idle_keep_alive_connection_is_closed(server):
+@pytest.mark.parametrize("parser", PARSERS)
+def test_idle_keep_alive_connection_is_closed(parser, request):
+    server = request.getfixturevalue(parser)
     with raw_connection(server) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         reply = closed_within(sock, 5)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import signal
@@ -41,7 +42,8 @@ from nanovllm.server import responses as r
 from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from nanovllm.server.engine_core import CoreClient
 from nanovllm.server.engine_loop import RequestFailed, ThreadCore
-from nanovllm.server.http import APIKeyMiddleware, EventStream, FrontEndHeader, read_json_body, with_header_timeout
+from nanovllm.server.http import (APIKeyMiddleware, EventStream, FrontEndHeader, http_parser, read_json_body,
+                                  with_header_timeout)
 from nanovllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm.server.preprocess import PreparedRequest, Preprocessor, refusal
 
@@ -49,6 +51,7 @@ log = logging.getLogger("nanovllm.server")
 
 API_KEY_ENV = "NANOVLLM_API_KEY"
 DONE = b"data: [DONE]\n\n"
+UVICORN_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,14 @@ class ServerOptions:
     timeout_request_read: float = 30.0  # request line + headers, then the body, must each arrive within this
     chat_template: str | None = None  # a Jinja template replacing the model's own (--chat-template)
     api_server_count: int = 1  # front-end processes over one engine process (server/api_servers.py)
+    uvicorn_loop: str = "auto"  # uvicorn's event loop: auto (uvloop where installed), uvloop or asyncio
+    uvicorn_http: str = "auto"  # uvicorn's HTTP parser: auto (httptools where installed), httptools or h11
 
     def __post_init__(self):
         check_api_server_count(self.api_server_count)
+        if self.uvicorn_loop not in UVICORN_LOOPS:
+            raise ValueError(f"uvicorn_loop must be one of {', '.join(UVICORN_LOOPS)}, got {self.uvicorn_loop!r}")
+        http_parser(self.uvicorn_http)
 
 
 def check_api_server_count(count: int, engine_core: str = "process") -> None:
@@ -341,11 +349,13 @@ def serve(llm: LLM | CoreClient, host: str, port: int, options: ServerOptions = 
     socket and leave SIGINT to the parent, which turns it into a SIGTERM to each front end."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = OpenAIServer(llm, options)
+    parser = http_parser(options.uvicorn_http)
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
-                            http=with_header_timeout(options.timeout_request_read),
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on", loop=options.uvicorn_loop,
+                            http=with_header_timeout(options.timeout_request_read, parser),
                             timeout_keep_alive=options.timeout_keep_alive)
     uvicorn_server = _DrainingServer(config, server.engine, handles_sigint=sock is None)
+    log.info("front end %d: %s event loop, %s HTTP parser", os.getpid(), event_loop_name(options.uvicorn_loop), parser)
     server.engine.on_fatal = lambda: setattr(uvicorn_server, "should_exit", True)
     gc_watch.freeze_start_up_heap()  # a full collection would stall every stream for its walk over ~460K objects
     gc_watch.watch()  # with --engine-core thread the engine's process is this one (its stats' gc_seconds)
@@ -356,6 +366,13 @@ def serve(llm: LLM | CoreClient, host: str, port: int, options: ServerOptions = 
     if server.engine.error is not None:
         print(f"error: the engine failed: {server.engine.error!r}", file=sys.stderr)
         sys.exit(1)
+
+
+def event_loop_name(choice: str) -> str:
+    """The loop uvicorn runs for --uvicorn-loop: auto is uvloop where it is installed."""
+    if choice != "auto":
+        return choice
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def nanovllm_version() -> str:

@@ -8,14 +8,15 @@
 - `EventStream`: a text/event-stream response of byte chunks, sent straight to the ASGI server.
 - `FrontEndHeader`: `X-Nanovllm-Frontend: <pid>` on every response, with several front-end processes
   (--api-server-count): which one served it.
-- `HeaderTimeoutProtocol`: uvicorn's h11 protocol, plus a deadline for a request's line and headers
-  (uvicorn has only the keep-alive timeout, so a client sending headers byte by byte held a connection
-  forever).
+- `with_header_timeout`: uvicorn's protocol (httptools where installed, else h11), plus a deadline for a
+  request's line and headers (uvicorn has only the keep-alive timeout, so a client sending headers byte by
+  byte held a connection forever).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.util
 import os
 from collections.abc import AsyncIterator
 
@@ -138,9 +139,10 @@ class EventStream:
             sender.cancel()
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """Closes a connection whose next request line and headers are not complete `timeout_headers`
-    seconds after the connection became ready for it (opened, or the previous response sent)."""
+class _HeaderDeadline:
+    """Closes a connection whose next request line and headers are not complete `timeout_headers` seconds
+    after the connection became ready for it (opened, or the previous response sent). A mixin over uvicorn's
+    protocol classes; a subclass cancels the deadline where its parser completes a request's headers."""
 
     timeout_headers: float = 30.0  # set per server by a subclass (see with_header_timeout)
 
@@ -152,11 +154,6 @@ class HeaderTimeoutProtocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._cancel_header_deadline()
         super().connection_lost(exc)
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.cycle is not None and not self.cycle.response_complete:  # a request's headers are in
-            self._cancel_header_deadline()
 
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():
@@ -176,13 +173,56 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._header_deadline = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
+        self._say_closing()
+        self.transport.close()
+
+    def _say_closing(self) -> None:
+        pass
+
+
+class H11HeaderTimeout(_HeaderDeadline, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the header deadline."""
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # a request's headers are in
+            self._cancel_header_deadline()
+
+    def _say_closing(self) -> None:
         try:
             self.conn.send(h11.ConnectionClosed())
         except h11.LocalProtocolError:
             pass
-        self.transport.close()
 
 
-def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for uvicorn.Config(http=...), with this server's header deadline."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"timeout_headers": seconds})
+def _httptools_header_timeout() -> type:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HttpToolsHeaderTimeout(_HeaderDeadline, HttpToolsProtocol):
+        """uvicorn's httptools protocol (llhttp, C) with the header deadline."""
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self._cancel_header_deadline()
+
+    return HttpToolsHeaderTimeout
+
+
+HTTP_PARSERS = ("auto", "httptools", "h11")
+
+
+def http_parser(choice: str) -> str:
+    """--uvicorn-http: auto is httptools where it is installed (about a quarter less CPU per streamed token
+    with uvloop, docs/BENCHMARKS.md), else h11."""
+    if choice not in HTTP_PARSERS:
+        raise ValueError(f"uvicorn_http must be one of {', '.join(HTTP_PARSERS)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+
+
+def with_header_timeout(seconds: float, parser: str = "h11") -> type:
+    """The protocol class for uvicorn.Config(http=...): `parser`'s (httptools or h11), with this server's
+    header deadline."""
+    base = _httptools_header_timeout() if parser == "httptools" else H11HeaderTimeout
+    return type(base.__name__, (base,), {"timeout_headers": seconds})
