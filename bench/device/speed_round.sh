@@ -20,6 +20,8 @@
 #   bash bench/device/speed_round.sh serving [OLD]  the server at rate inf against the offline engine (its time in
 #                                                   steps, busy by tenths); with OLD that tree's server and this one's
 #                                                   alternating, twice (the offline peer only in the first run)
+#   bash bench/device/speed_round.sh serving stack  the same, the front ends on uvloop + httptools (the default) and
+#                                                   on asyncio + h11 alternating, twice
 set -euo pipefail
 source "$(dirname "$0")/on_device.sh"
 out=${OUT:-/tmp/out}
@@ -79,6 +81,13 @@ case ${1:-} in
         --client-processes 8 --api-server-count 2 --async-scheduling --output-dir "$out" --name "$name" "$@") 2>&1 \
         | quiet | tee "$out/$name.log"
     }
+    if [ "${2:-}" = stack ]; then  # uvloop + httptools (the default) and asyncio + h11 alternating
+      serve "$here" serving_fast
+      serve "$here" serving_plain --no-offline --uvicorn-loop asyncio --uvicorn-http h11
+      serve "$here" serving_fast2 --no-offline
+      serve "$here" serving_plain2 --no-offline --uvicorn-loop asyncio --uvicorn-http h11
+      exit 0
+    fi
     serve "$here" serving_new
     if [ -n "${2:-}" ]; then
       old=$(realpath "$2")
@@ -86,5 +95,5 @@ case ${1:-} in
       serve "$here" serving_new2 --no-offline
       serve "$old" serving_old2 --no-offline
     fi ;;
-  *) echo "bash bench/device/speed_round.sh tests|tune|latency OLD|latency2|pdl|profile|serving [OLD]" >&2; exit 2 ;;
+  *) echo "bash bench/device/speed_round.sh tests|tune|latency OLD|latency2|pdl|profile|serving [OLD|stack]" >&2; exit 2 ;;
 esac
