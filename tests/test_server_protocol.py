@@ -76,3 +76,19 @@ def test_null_means_omitted_and_unknown_fields_warn_once(caplog):
     assert chat.logprobs == 0 and chat.params.logprobs == 0
     echo = p.parse_completion({"prompt": [[1, 2], [3]], "echo": True, "logprobs": 2, "n": 2, "best_of": 2}, NAMES)
     assert echo.prompts == [[1, 2], [3]] and echo.params.prompt_logprobs == 2 and not echo.prompt_logprobs
+
+
+def test_json_depth_limit_holds_wherever_the_nesting_sits():
+    """64 levels pass, 65 are refused, also when the deep part follows thousands of token ids in one array or
+    sits in an object's last field."""
+    def nested(levels: int) -> str:  # `levels` arrays, one inside the other
+        return "[" * levels + "]" * levels
+
+    ids = ",".join(["7"] * 5000)
+    for levels, ok in ((63, True), (64, False)):  # the body object itself is one level
+        for raw in (f'{{"prompt": [{ids}, {nested(levels - 1)}]}}', f'{{"a": 1, "b": {{"c": {nested(levels - 1)}}}}}'):
+            if ok:
+                p.parse_json(raw.encode())
+            else:
+                with pytest.raises(p.APIError, match=f"nests deeper than {p.MAX_JSON_DEPTH} levels"):
+                    p.parse_json(raw.encode())

@@ -372,9 +372,13 @@ def _depth(value) -> int:
     while stack:
         item, depth = stack.pop()
         deepest = max(deepest, depth)
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        children = item.values() if type(item) is dict else item
+        if not _CONTAINERS.isdisjoint(map(type, children)):  # a prompt's thousands of ids pass in C
+            stack.extend((c, depth + 1) for c in children if type(c) in _CONTAINERS)
     return deepest
+
+
+_CONTAINERS = frozenset((dict, list))  # what json.loads makes of objects and arrays
 
 
 def _kind(value) -> str:
