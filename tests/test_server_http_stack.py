@@ -1,6 +1,6 @@
 """The front end's event loop and HTTP parser: uvloop and httptools where installed (as uvicorn[standard]),
 asyncio and h11 otherwise or when asked; both parsers carry the server's header deadline (the deadline itself
-is tested over HTTP with each parser in test_server_hardening.py)."""
+is tested over HTTP with each parser in test_server_hardening.py); which requests are prepared on the event loop."""
 from __future__ import annotations
 
 import importlib.util
@@ -41,3 +41,26 @@ def test_each_parser_protocol_carries_the_header_deadline():
     fast = http.with_header_timeout(3.0, "httptools")
     assert issubclass(fast, HttpToolsProtocol) and issubclass(fast, http._HeaderDeadline)
     assert fast.timeout_headers == 3.0 and "on_headers_complete" in vars(fast.__mro__[1])
+
+
+def test_small_bodies_are_prepared_on_the_event_loop_and_larger_ones_on_the_pool():
+    """A burst of small requests reaches the engine one by one as the loop takes them in (no pool round trip
+    behind every other request's first steps); a body past INLINE_BODY_BYTES (a long text to tokenize) goes to the
+    pool, so that it does not stall the streams of the others."""
+    import asyncio
+    import threading
+
+    from nanovllm.server import preprocess
+
+    prep = preprocess.Preprocessor.__new__(preprocess.Preprocessor)
+    prep.pool = preprocess.ThreadPoolExecutor(1, thread_name_prefix="nanovllm-preprocess")
+    prep._malloc_trim = None
+    where = lambda raw: threading.current_thread().name  # noqa: E731
+
+    async def both() -> tuple[str, str, str]:
+        return (await prep.run(where, b"x" * preprocess.INLINE_BODY_BYTES), threading.current_thread().name,
+                await prep.run(where, b"x" * (preprocess.INLINE_BODY_BYTES + 1)))
+
+    small, loop_thread, large = asyncio.run(both())
+    prep.close()
+    assert small == loop_thread and large.startswith("nanovllm-preprocess"), (small, loop_thread, large)

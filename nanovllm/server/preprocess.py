@@ -1,10 +1,10 @@
-"""Request preparation off the event loop and the engine loop: parse, validate, tokenize.
+"""Request preparation off the engine loop: parse, validate, tokenize.
 
-A small thread pool runs `prepare`: JSON parsing and validation (protocol.py), the chat template or the
-tokenizer (HF fast tokenizers release the GIL while they encode), and every check that needs the prompt's
-length. A huge prompt thus delays only its own request; the engine loop receives token ids. After a
-large body, freed heap memory is handed back to the OS (glibc's malloc_trim), so one big request does not
-leave gigabytes behind.
+`prepare`: JSON parsing and validation (protocol.py), the chat template or the tokenizer, and every check that
+needs the prompt's length. A small body's on the event loop itself, a larger one's on a small thread pool (HF fast
+tokenizers release the GIL while they encode), so a huge prompt delays only its own request; the engine loop
+receives token ids. After a large body, freed heap memory is handed back to the OS (glibc's malloc_trim), so one
+big request does not leave gigabytes behind.
 """
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ from nanovllm.server import protocol as p
 PREPROCESS_THREADS = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as in the OpenAI API, when the room left in the context allows
 TRIM_AFTER_BYTES = 1 << 20  # bodies at least this large are followed by malloc_trim
+# Bodies up to this size are prepared on the event loop (a prompt of 256 token ids in ~0.1 ms; 4 KiB of text through
+# SmolLM2's tokenizer or its chat template ~1.4 ms on a 2-core VM): through the pool, a burst of requests reached
+# the engine only after the loop had taken in a few hundred of them (the first of 500 at 68-169 ms, inline at 2-5 ms;
+# docs/BENCHMARKS.md), the engine idle meanwhile.
+INLINE_BODY_BYTES = 4096
 
 
 @dataclass
@@ -53,7 +58,10 @@ class Preprocessor:
         return await self.run(self._prepare, raw, chat)
 
     async def run(self, fn: Callable[[bytes, Any], Any], raw: bytes, *args) -> Any:
-        """fn(raw, *args) on the pool, then malloc_trim after a large body."""
+        """fn(raw, *args): a small body's on the event loop, a larger one's on the pool (then malloc_trim after a
+        large body)."""
+        if len(raw) <= INLINE_BODY_BYTES:
+            return fn(raw, *args)
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._run_and_trim, fn, raw, *args)
 
     def close(self) -> None:
