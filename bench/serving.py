@@ -9,7 +9,7 @@ throughput no arrival rate can exceed. JSON and a PNG chart go to $OUT (or bench
         [--request-rates 8,32,128,inf --num-prompts 300 --input-len 256 --output-len 128]
 
 The server needs the `serve` extra (starlette, uvicorn, httpx, pydantic, prometheus_client; all pure Python
-but pydantic_core). Without network access, carry the wheels in .whl/ (`pip download --no-deps
+but pydantic_core; uvloop and httptools where installed, else asyncio and h11). Without network access, carry the wheels in .whl/ (`pip download --no-deps
 --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl ...`, the target
 machine's Python for pydantic_core) and this script installs them with `pip install --no-index
 --find-links .whl --target .whl/site` before it starts.
