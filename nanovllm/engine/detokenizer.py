@@ -1,6 +1,8 @@
 """Incremental detokenization: new text is released only once it no longer ends in a partial character."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -75,8 +77,8 @@ class OutputText:
             return True
         return False
 
-    def final(self, output_token_ids: list[int]) -> str:
+    def final(self, output_token_ids: Sequence[int]) -> str:
         """A finished request's text: all output tokens decoded at once, unless a stop string cut it."""
         if self.stop_at is not None:
             return self.text
-        return self.tokenizer.decode(output_token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(list(output_token_ids), skip_special_tokens=self.skip_special_tokens)

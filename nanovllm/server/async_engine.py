@@ -432,7 +432,8 @@ def _put_all(items: list[tuple[RequestStream, object]]) -> None:
 def _with_text(out: RequestOutput, token_ids: list[int], text: str, finish_reason: str | None) -> RequestOutput:
     done = finish_reason is not None
     logprobs = out.outputs[0].logprobs
-    completion = CompletionOutput(0, text, token_ids, finish_reason,
-                                  None if logprobs is None else logprobs[: len(token_ids)])
+    if logprobs is not None and len(logprobs) != len(token_ids):  # a stop string ended it early
+        logprobs = logprobs[: len(token_ids)]
+    completion = CompletionOutput(0, text, token_ids, finish_reason, logprobs)
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [completion], done, out.metrics,
                          out.prompt_logprobs)

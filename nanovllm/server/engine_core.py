@@ -34,6 +34,7 @@ from nanovllm.engine.request_state import RequestState
 from nanovllm.engine.sequence import PLACEHOLDER
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm.server.engine_loop import CoreEvents, EngineLoop, RequestFailed
+from nanovllm.server.prefix import Prefix
 
 log = logging.getLogger("nanovllm.server")
 
@@ -191,7 +192,8 @@ class CoreClient:
             events.fatal(event[1])
 
     def _rebuild(self, delta: tuple) -> RequestOutput:
-        """The cumulative output, as the engine made it, from the tokens that are new."""
+        """The cumulative output, as the engine made it, from the tokens that are new (its token ids and logprobs
+        `Prefix`es of the lists this request's steps append to: no copy per step)."""
         request_id, new_tokens, new_logprobs, finish_reason, metrics, prompt_logprobs = delta
         rebuilt = self._rebuilt.get(request_id)
         if rebuilt is None:
@@ -202,11 +204,11 @@ class CoreClient:
         if new_logprobs is not None:
             rebuilt.logprobs = (rebuilt.logprobs or [])
             rebuilt.logprobs += new_logprobs
-        logprobs = None if rebuilt.logprobs is None else list(rebuilt.logprobs)
+        logprobs = None if rebuilt.logprobs is None else Prefix(rebuilt.logprobs)
         finished = finish_reason is not None
         if finished:
             self._end(request_id)
-        completion = CompletionOutput(0, "", list(rebuilt.token_ids), finish_reason, logprobs)
+        completion = CompletionOutput(0, "", Prefix(rebuilt.token_ids), finish_reason, logprobs)
         return RequestOutput(request_id, None, rebuilt.prompt_token_ids, [completion], finished, rebuilt.metrics,
                              rebuilt.prompt_logprobs)
 
