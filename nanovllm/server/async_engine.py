@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -429,7 +429,7 @@ def _put_all(items: list[tuple[RequestStream, object]]) -> None:
         stream.put(item)
 
 
-def _with_text(out: RequestOutput, token_ids: list[int], text: str, finish_reason: str | None) -> RequestOutput:
+def _with_text(out: RequestOutput, token_ids: Sequence[int], text: str, finish_reason: str | None) -> RequestOutput:
     done = finish_reason is not None
     logprobs = out.outputs[0].logprobs
     if logprobs is not None and len(logprobs) != len(token_ids):  # a stop string ended it early
