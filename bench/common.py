@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: ceilings measured in the same process, and printing."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -96,13 +97,19 @@ def timed(fn):
     return result, time.perf_counter() - t
 
 
-def set_layer_ops(llm, gemv_rows: int | None, dependent_launch: bool = False) -> None:
-    """A bench's --gemv-rows (the rows up to which the engine's projections run through the Triton GEMV; None: the
-    engine's default) and --dependent-launch (TritonLayerOps.dependent_launch and the attention backend's), the
-    decode graphs recaptured and the start-up's eager steps run again when either changes. Before the first
-    request."""
+def add_dependent_launch_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--dependent-launch", action=argparse.BooleanOptionalAction,
+                    help="the GEMV, norm, SiLU, RoPE, decode attention and merge kernels launched dependently, or not "
+                         "(TritonLayerOps.dependent_launch and the Triton backend's; default: the engine's)")
+
+
+def set_layer_ops(llm, gemv_rows: int | None, dependent_launch: bool | None = None) -> None:
+    """A bench's --gemv-rows (the rows up to which the engine's projections run through the Triton GEMV) and
+    --dependent-launch / --no-dependent-launch (TritonLayerOps.dependent_launch and the attention backend's; None:
+    the engine's default for either), the decode graphs recaptured and the start-up's eager steps run again when
+    either changes. Before the first request."""
     ops = llm.runner.layer_ops
-    wanted = {"gemv_rows": gemv_rows, "dependent_launch": dependent_launch or None}
+    wanted = {"gemv_rows": gemv_rows, "dependent_launch": dependent_launch}
     changed = {k: v for k, v in wanted.items() if v is not None and getattr(ops, k, None) != v}
     if not changed:
         return

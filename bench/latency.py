@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from common import (HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, set_layer_ops,
-                    timed)
+from common import (HERE, add_dependent_launch_arg, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results,
+                    set_layer_ops, timed)
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.compile_watch import WATCH
 
@@ -77,9 +77,7 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int,
                     help="steps of at most this many rows run their narrow projections through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS; the decode graphs recaptured)")
-    ap.add_argument("--dependent-launch", action="store_true",
-                    help="the GEMV, norm, SiLU, RoPE, decode attention and merge kernels launched dependently "
-                         "(TritonLayerOps.dependent_launch, the Triton backend's dependent_launch)")
+    add_dependent_launch_arg(ap)
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
@@ -100,7 +98,7 @@ def main() -> None:
     results["async_scheduling"] = args.async_scheduling
     set_layer_ops(llm, args.gemv_rows, args.dependent_launch)
     results["gemv_rows"] = llm.runner.layer_ops.gemv_rows
-    results["dependent_launch"] = args.dependent_launch
+    results["dependent_launch"] = llm.runner.layer_ops.dependent_launch
     results["startup_s"] = llm.startup_seconds
     log(f"engine start-up (weights, KV pool, warm-up, kernels, CUDA graphs): {llm.startup_seconds:.1f} s")
     llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up

@@ -17,7 +17,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import HERE, kind_of, log, measure_hbm_bandwidth, require_cuda, save_results, set_layer_ops
+from common import (HERE, add_dependent_launch_arg, kind_of, log, measure_hbm_bandwidth, require_cuda, save_results,
+                    set_layer_ops)
 from timeline import timeline_of
 from nanovllm import LLM, SamplingParams
 
@@ -46,9 +47,7 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int,
                     help="narrow projections of steps of at most this many rows through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS)")
-    ap.add_argument("--dependent-launch", action="store_true",
-                    help="the GEMV, norm, SiLU, RoPE, decode attention and merge kernels launched dependently "
-                         "(TritonLayerOps.dependent_launch, the Triton backend's dependent_launch)")
+    add_dependent_launch_arg(ap)
     args = ap.parse_args()
     sparse = {} if args.sparse_policy == "full" else dict(
         sparse_policy=args.sparse_policy, sparse_min_context=0, quest_token_budget=args.quest_token_budget)

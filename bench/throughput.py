@@ -15,8 +15,8 @@ import random
 
 import torch
 
-from common import (HERE, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results, set_layer_ops,
-                    timed)
+from common import (HERE, add_dependent_launch_arg, hf_model, log, measure_hbm_bandwidth, require_cuda, save_results,
+                    set_layer_ops, timed)
 from nanovllm import LLM, SamplingParams
 
 
@@ -67,9 +67,7 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int,
                     help="steps of at most this many rows run their narrow projections through the Triton GEMV "
                          "(TritonLayerOps.gemv_rows, default 1; 0: cuBLAS; the decode graphs recaptured)")
-    ap.add_argument("--dependent-launch", action="store_true",
-                    help="the GEMV, norm, SiLU, RoPE, decode attention and merge kernels launched dependently "
-                         "(TritonLayerOps.dependent_launch, the Triton backend's dependent_launch)")
+    add_dependent_launch_arg(ap)
     args = ap.parse_args()
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
@@ -89,7 +87,7 @@ def main() -> None:
                "hbm_floor_s": floor, "floor_tok_s": tokens / floor, "fraction_of_floor": floor / seconds,
                "backend": llm.runner.backend.name, "cuda_graphs": llm.runner.graphs is not None,
                "async_scheduling": args.async_scheduling, "gemv_rows": llm.runner.layer_ops.gemv_rows,
-               "dependent_launch": args.dependent_launch}
+               "dependent_launch": llm.runner.layer_ops.dependent_launch}
     log(f"nanovllm: {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s; "
         f"HBM floor {floor:.2f} s ({tokens / floor:,.0f} tok/s): {100 * floor / seconds:.1f}% of the floor")
     if args.hf_seqs:

@@ -56,15 +56,14 @@ case ${1:-} in
       | tail -3 | tee "$out/tests_pdl.log"
     for run in 1 2; do
       latency "$here" async_pdl$run --async-scheduling --dependent-launch
-      latency "$here" async_plain$run --async-scheduling
+      latency "$here" async_plain$run --async-scheduling --no-dependent-launch
     done ;;
   pdl_throughput)
     for run in 1 2; do
-      for flag in --dependent-launch ""; do
-        if [ -n "$flag" ]; then name=throughput_pdl$run; else name=throughput_plain$run; fi
+      for flag in --dependent-launch --no-dependent-launch; do
+        if [ "$flag" = --dependent-launch ]; then name=throughput_pdl$run; else name=throughput_plain$run; fi
         (cd bench && PYTHONPATH=$here:/tmp/site OUT=$out/$name python3 -u throughput.py --async-scheduling \
-          --hf-seqs 0 $flag) 2>&1 | quiet \
-          | tee "$out/$name.log"
+          --hf-seqs 0 $flag) 2>&1 | quiet | tee "$out/$name.log"
       done
     done ;;
   profile)
