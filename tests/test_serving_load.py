@@ -101,23 +101,28 @@ def test_bench_client_in_several_processes_counts_every_token(server):
     assert abs(sum(busy) / 10 - result["engine_step_s"] / result["duration_s"]) < 0.2, busy
 
 
-def test_bench_duration_runs_from_the_first_send_to_the_last_response(server, monkeypatch):
+@pytest.mark.parametrize("library", ["aiohttp", "httpx"])
+def test_bench_duration_runs_from_the_first_send_to_the_last_response(server, monkeypatch, library):
     """The client's own set-up (a slow connection pool here) is not the server's time: the run's duration is
-    no longer than the slowest request's end-to-end time plus a little."""
-    import httpx
+    no longer than the slowest request's end-to-end time plus a little. Each request's times come from its own
+    stream: a first token, then one gap per further token."""
+    import aiohttp
 
     from nanovllm.serving_bench import make_workload, run_rate
 
-    class SlowClient(httpx.AsyncClient):
-        def __init__(self, *args, **kwargs):
-            time.sleep(0.5)
-            super().__init__(*args, **kwargs)
+    module, name = (httpx, "AsyncClient") if library == "httpx" else (aiohttp, "ClientSession")
+    fast = getattr(module, name)
 
-    monkeypatch.setattr(httpx, "AsyncClient", SlowClient)
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return fast(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, slow)
     prompts, out_lens = make_workload(4, 8, 4, vocab_size=1000, seed=5)
-    result = run_rate(server.url, "smollm2", prompts, out_lens, math.inf)
-    assert result["completed"] == 4
+    result = run_rate(server.url, "smollm2", prompts, out_lens, math.inf, library=library)
+    assert result["completed"] == 4 and result["output_tokens"] == 16 and result["http_client"] == library
     assert result["duration_s"] < result["e2e_s"]["p99"] + 0.2, result
+    assert 0 < result["ttft_s"]["p50"] <= result["e2e_s"]["p50"] and result["itl_s"]["p50"] > 0
 
 
 def test_sigterm_drains_requests_in_flight(server):

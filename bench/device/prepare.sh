@@ -26,7 +26,8 @@ samples() {
 
 wheels() {  # the versions this venv has, for the device's Python 3.12
   local names="gguf starlette uvicorn httpx httpcore pydantic pydantic_core prometheus_client anyio h11 sniffio
-               annotated-types typing-inspection click idna certifi uvloop httptools"
+               annotated-types typing-inspection click idna certifi uvloop httptools aiohttp aiohappyeyeballs
+               aiosignal attrs frozenlist multidict propcache yarl"
   local pins=$(for n in $names; do pip show "$n" 2>/dev/null | awk -v n="$n" '/^Version:/ {print n "==" $2}'; done)
   pins="$pins py-spy==0.4.3"  # a sampling profiler for the server's processes (not a dependency: /tmp/site/bin/py-spy)
   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
