@@ -122,7 +122,7 @@ def _assert_same_greedy(model, device: str) -> None:
 
 
 def test_the_bench_switch_sets_both_kernel_sets_before_the_first_request_only(tiny_llama):
-    """Benches' --dependent-launch (bench/common.set_layer_ops): the layer ops and the attention backend both switch
+    """Benches' --no-dependent-launch (bench/common.set_layer_ops): the layer ops and the attention backend both switch
     (the decode and merge kernels are the backend's); after a request it refuses (its warm-up steps write the first
     blocks of the pool, which requests may hold by then)."""
     pytest.importorskip("triton")
@@ -136,8 +136,9 @@ def test_the_bench_switch_sets_both_kernel_sets_before_the_first_request_only(ti
 
     llm = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=64, device="cpu", dtype="float32",
               attention_backend="triton")
-    set_layer_ops(llm, None, True)
-    assert llm.runner.layer_ops.dependent_launch and llm.runner.backend.dependent_launch
+    assert llm.runner.layer_ops.dependent_launch and llm.runner.backend.dependent_launch  # the default
+    set_layer_ops(llm, None, False)
+    assert not llm.runner.layer_ops.dependent_launch and not llm.runner.backend.dependent_launch
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(SystemExit, match="before the engine's first request"):
         set_layer_ops(llm, 2, True)

@@ -5,8 +5,8 @@ writes and before it writes anything: until then it may only read what no kernel
 decode a layer is ten small dependent kernels; each start then overlaps the previous kernel's end instead of
 following it (the launch gap, and the first weight tile's load in the GEMV).
 
-Off unless asked for (`TritonLayerOps(dependent_launch=True)`), and only on CUDA devices of compute capability 9.0+
-outside the interpreter.
+On by default (`TritonLayerOps(dependent_launch=False)` and the Triton backend's `dependent_launch = False` turn it
+off), effective only on CUDA devices of compute capability 9.0+ outside the interpreter.
 """
 from __future__ import annotations
 

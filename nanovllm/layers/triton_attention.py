@@ -38,9 +38,9 @@ class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True
     prefill_through_cudnn = True  # one long prefill sequence through cuDNN where takes_cudnn_route says so
     pack_heads = False  # the prefill kernel's programs over a KV head's query heads (PrefillConfig.pack_heads)
-    # the decode and merge kernels as dependent launches (kernels/dependent_launch.py; Hopper+): off until timed,
-    # set beside TritonLayerOps.dependent_launch (benches' --dependent-launch)
-    dependent_launch = False
+    # the decode and merge kernels as dependent launches (kernels/dependent_launch.py; Hopper+, a no-op elsewhere),
+    # set beside TritonLayerOps.dependent_launch (benches' --no-dependent-launch turns both off)
+    dependent_launch = True
 
     def __init__(self) -> None:
         try:
