@@ -8,6 +8,8 @@ stream synchronisation, blocking copies). The whole run's steps are also timed o
 batch size, against each bucket's graph replay alone.
 
     PYTHONPATH=. python3 bench/profile_run.py [--async-scheduling] [--windows 50 400 800] [--window-steps 20]
+        [--workload serving]   (bench/serving.py's: 1,000 prompts x 256 in / 128 out, greedy; its waves admit 32
+                                prompts a step beside the running ones: `--windows 1 --window-steps 8` profiles them)
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from common import HERE, log, require_cuda, save_results
 from throughput import workload
+from nanovllm.engine.step_plan import STEP_KINDS
+from nanovllm.serving_bench import make_workload
 from nanovllm import LLM, SamplingParams
 
 
@@ -61,33 +65,42 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--windows", type=int, nargs="+", default=[50, 400, 800], help="step numbers where a window starts")
     ap.add_argument("--window-steps", type=int, default=20)
+    ap.add_argument("--workload", choices=["throughput", "serving"], default="throughput")
     args = ap.parse_args()
     require_cuda()
     llm = LLM(args.config, load_format="dummy", max_model_len=2064, async_scheduling=args.async_scheduling)
     vocab = llm.config.hf_config["vocab_size"]
     warm, _ = workload(64, 100, 1024, vocab, seed=1)
     llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    prompts, out_lens = workload(args.num_seqs, 100, 1024, vocab)
+    if args.workload == "serving":
+        prompts, out_lens = make_workload(1000, 256, 128, vocab)
+        temperature = 0.0
+    else:
+        prompts, out_lens = workload(args.num_seqs, 100, 1024, vocab)
+        temperature = 0.6
     for p, n in zip(prompts, out_lens):
-        llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+        llm.add_request(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n))
     windows, by_batch = [], defaultdict(list)
     step, t_run = 0, time.perf_counter()
     while llm.has_unfinished_requests():
         batch = len(llm.scheduler.running)
         if step in args.windows:
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0, kinds = time.perf_counter(), tuple(llm.runner.planner.steps)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.window_steps):
                     llm._step(final_only=True)  # as LLM.generate steps
                 torch.cuda.synchronize()
             wall = 1e3 * (time.perf_counter() - t0)
             busy = busy_ms(prof)
+            kinds = {k: b - a for k, a, b in zip(STEP_KINDS, kinds, llm.runner.planner.steps) if b > a}
             windows.append({"start_step": step, "batch": batch, "wall_ms_per_step": wall / args.window_steps,
-                            "gpu_busy_ms_per_step": busy / args.window_steps, "gpu_busy_fraction": busy / wall})
-            log(f"steps {step}-{step + args.window_steps} (batch {batch}): {wall / args.window_steps:.2f} ms/step wall, "
-                f"GPU busy {busy / args.window_steps:.2f} ms/step ({busy / wall:.0%})")
+                            "gpu_busy_ms_per_step": busy / args.window_steps, "gpu_busy_fraction": busy / wall,
+                            "step_kinds": kinds})
+            log(f"steps {step}-{step + args.window_steps} (batch {batch}, {kinds}): {wall / args.window_steps:.2f} "
+                f"ms/step wall, GPU busy {busy / args.window_steps:.2f} ms/step ({busy / wall:.0%})")
             log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+            log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14))
             step += args.window_steps
             continue
         t0 = time.perf_counter()
@@ -121,8 +134,8 @@ def main() -> None:
     log(f"whole run {run_s:.2f} s, {step} steps; step time on the host by batch: "
         + ", ".join(f"{r['batch']}: {r['host_ms_per_step']:.2f} ms x {r['steps']}" for r in rows)
         + "; graph replay alone: " + ", ".join(f"bs {b}: {ms:.2f} ms" for b, ms in replay.items()))
-    save_results("profile_run", {"async_scheduling": args.async_scheduling, "run_s": run_s, "steps": step,
-                                 "windows": windows, "step_ms_by_batch": rows, "graph_replay_ms": replay,
+    save_results("profile_run", {"workload": args.workload, "async_scheduling": args.async_scheduling, "run_s": run_s,
+                                 "steps": step, "windows": windows, "step_ms_by_batch": rows, "graph_replay_ms": replay,
                                  "bs16_graph_kernels": kernels})
 
 

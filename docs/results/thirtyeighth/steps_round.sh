@@ -15,6 +15,10 @@ python3 docs/results/thirtyeighth/steps_compare.py /tmp | tee $out/steps_compare
 python3 docs/results/thirtyeighth/timeline_summary.py $out/stepped.json /tmp > $out/stepped_summary.log
 cp /tmp/timeline_*.txt $out/
 (cd $out && tar czf "$back/steps_round.tgz" .)
+# the serving workload offline, profiled: the first wave's mixed steps, decode steps, the second wave's mixed steps
+(cd bench && python3 -u profile_run.py --async-scheduling --workload serving --windows 1 60 137 --window-steps 8) 2>&1 \
+  | grep -v "^Triton compiled" > $out/profile_serving.log
+grep "ms/step wall\|whole run" $out/profile_serving.log
 # the CUDA tests of the kernels and graphs, dependent launches now on by default (this tree, not the patched copy)
 timeout 300 python3 -m pytest -q -m cuda tests/test_kernels.py tests/test_fused_ops.py tests/test_gemv.py \
   tests/test_dependent_launch.py tests/test_graph_copies.py tests/test_async_scheduling.py tests/test_compile_watch.py \
