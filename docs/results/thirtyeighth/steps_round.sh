@@ -20,7 +20,7 @@ cp /tmp/timeline_*.txt $out/
   | grep -v "^Triton compiled" > $out/profile_serving.log
 grep "ms/step wall\|whole run" $out/profile_serving.log
 # the CUDA tests of the kernels and graphs, dependent launches now on by default (this tree, not the patched copy)
-timeout 300 python3 -m pytest -q -m cuda tests/test_kernels.py tests/test_fused_ops.py tests/test_gemv.py \
+timeout 150 python3 -m pytest -q -m cuda tests/test_kernels.py tests/test_fused_ops.py tests/test_gemv.py \
   tests/test_dependent_launch.py tests/test_graph_copies.py tests/test_async_scheduling.py tests/test_compile_watch.py \
   tests/test_narrowed.py 2>&1 | tail -4 | tee $out/tests_cuda.log
 (cd $out && tar czf "$back/steps_round.tgz" .)
