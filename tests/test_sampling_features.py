@@ -2,6 +2,8 @@
 transformers reference, n samples sharing the prompt's KV blocks, and the stop-string options."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -199,6 +201,35 @@ def test_stop_strings_are_not_matched_within_min_tokens():
     text = OutputText.for_params(CharTokenizer(), [], SamplingParams(stop=["ab"], min_tokens=3))
     assert feed(text, "abxab") == [False, False, False, False, True]
     assert text.text == "abx"  # the earlier "ab" fell within min_tokens
+
+
+def _first_stop(word: str, stops: list[str], min_tokens: int, include: bool) -> tuple[int, str] | None:
+    """Brute force: the first token count k at which the text of k tokens holds a stop string that ends beyond
+    the text of min_tokens tokens, and the text then (cut before the earliest such stop, or after it)."""
+    for k in range(min_tokens + 1, len(word) + 1):
+        text = word[:k]
+        found = [(pos, stop) for stop in stops for pos in range(len(text) - len(stop) + 1)
+                 if text.startswith(stop, pos) and pos + len(stop) > min_tokens]
+        if found:
+            pos, stop = min(found)
+            return k, text[: pos + len(stop) if include else pos]
+    return None
+
+
+def test_stop_strings_match_a_brute_force_search_searching_only_new_text():
+    """Random words over a small alphabet, one or two stop strings, min_tokens and include_stop_str_in_output:
+    the step at which match_stop first says True, and the cut text, are those of a search of the whole text
+    at every step (match_stop searches only the text that is new since its last search)."""
+    rng = random.Random(7)
+    for _ in range(400):
+        word = "".join(rng.choice("abc") for _ in range(rng.randrange(1, 30)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(1, 3))]
+        min_tokens, include = rng.randrange(0, 5), rng.random() < 0.5
+        text = OutputText(CharTokenizer(), [], stops, min_tokens, include)
+        stopped = feed(text, word)
+        want = _first_stop(word, stops, min_tokens, include)
+        got = (stopped.index(True) + 1, text.text) if True in stopped else None
+        assert got == want, (word, stops, min_tokens, include)
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_text():

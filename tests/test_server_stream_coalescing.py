@@ -75,3 +75,31 @@ def test_chunk_events_match_json_dumps_of_the_chunk(chat, text, finish, logprobs
         made = events(index, text, finish, logprobs)
         assert made == r.event(r.chunk("cmpl-1", 'odd "model"', 5, chat, index, text, finish, logprobs))
         assert json.loads(made[6:])["choices"][0]["index"] == index
+
+
+@pytest.mark.parametrize("stops", [[], ["xyz"]])
+def test_streamed_deltas_add_up_to_the_final_text_with_the_stop_tail_held_back(stops):
+    """Deltas of a text that grows a piece a step (held back by a stop string's length - 1 until the end) add up
+    to the final text; none reaches past what the text held hold characters before."""
+    parsed = SimpleNamespace(n=1, params=SimpleNamespace(stop=stops), logprobs=None, echo=False)
+    choices = r.Choices(SimpleNamespace(parsed=parsed, prompts=[SimpleNamespace(text="")]), False, r.TokenTexts(None))
+    pieces = [f"w{k} " for k in range(300)]
+    sent, text = "", ""
+    for k, piece in enumerate(pieces):
+        text += piece
+        delta, finish, _, new = choices.delta(0, output(text, list(range(k + 1)), "length" if k == 299 else None))
+        sent += delta
+        assert new == 1 and len(sent) <= (len(text) if finish else len(text) - choices.hold)
+    assert sent == text and finish == "length"
+
+
+def test_a_final_text_that_does_not_extend_the_streamed_one_adds_nothing():
+    """The finished output's text is decoded anew (OutputText.final); where it is not the streamed text plus more
+    (a tokenizer decoding a whole output unlike its pieces), nothing misplaced is sent."""
+    parsed = SimpleNamespace(n=1, params=SimpleNamespace(stop=[]), logprobs=None, echo=False)
+    choices = r.Choices(SimpleNamespace(parsed=parsed, prompts=[SimpleNamespace(text="")]), False, r.TokenTexts(None))
+    assert choices.delta(0, output(" Hello", [7]))[0] == " Hello"
+    assert choices.delta(0, output("Hello world", [7, 8], "stop"))[:2] == ("", "stop")
+    again = r.Choices(SimpleNamespace(parsed=parsed, prompts=[SimpleNamespace(text="")]), False, r.TokenTexts(None))
+    assert again.delta(0, output(" Hello", [7]))[0] == " Hello"
+    assert again.delta(0, output(" Hello world", [7, 8], "stop"))[:2] == (" world", "stop")

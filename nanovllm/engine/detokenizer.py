@@ -48,7 +48,9 @@ class OutputText:
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self.num_tokens = 0
-        self.unchecked = 0  # text produced below min_tokens: a stop string must end beyond it
+        # the text no stop string may end within: produced below min_tokens, or already searched (so that each
+        # step searches only its new text and the stop strings' length before it, not the whole text again)
+        self.checked = 0
         self.stop_at: int | None = None  # where the text is cut for a matched stop string
 
     @classmethod
@@ -64,14 +66,15 @@ class OutputText:
         """True once the text holds a stop string; the text is then cut where the earliest one begins
         (or ends, with include_stop_str_in_output). Always False within the first min_tokens tokens."""
         if self.num_tokens <= self.min_tokens:
-            self.unchecked = len(self.text)
+            self.checked = len(self.text)
             return False
         if self.stop_at is None:
             found = [(pos, stop) for stop in self.stop
-                     if (pos := self.text.find(stop, max(0, self.unchecked - len(stop) + 1))) != -1]
+                     if (pos := self.text.find(stop, max(0, self.checked - len(stop) + 1))) != -1]
             if found:
                 pos, stop = min(found)
                 self.stop_at = pos + len(stop) if self.include_stop else pos
+            self.checked = len(self.text)
         if self.stop_at is not None:
             self.text = self.text[: self.stop_at]
             return True

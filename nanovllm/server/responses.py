@@ -167,7 +167,10 @@ class Choices:
         self.prompts = [prepared.prompts[i // n] for i in range(len(prepared.prompts) * n)]
         # Hold back the tail that could be the start of a stop string, so text cut by a stop never reaches the client.
         self.hold = max((len(s) for s in prepared.parsed.params.stop), default=1) - 1
-        self.sent_text = [""] * len(self.prompts)
+        # the text only grows until the request ends: what was sent is its first sent_chars characters (sent_from:
+        # the text they were taken from, a reference; the final text is decoded anew and is checked against it)
+        self.sent_chars = [0] * len(self.prompts)
+        self.sent_from = [""] * len(self.prompts)
         self.sent_tokens = [0] * len(self.prompts)
         self.offsets = [0] * len(self.prompts)
         self.started = [False] * len(self.prompts)
@@ -210,9 +213,13 @@ class Choices:
         and their number (a chunk goes out for new tokens even when their text is held back or empty, as
         in vLLM: a model without a tokenizer streams empty texts, one chunk per step)."""
         completion = out.outputs[0]
-        text = completion.text if out.finished else completion.text[: max(0, len(completion.text) - self.hold)]
-        delta = text[len(self.sent_text[i]):] if text.startswith(self.sent_text[i]) else ""
-        self.sent_text[i] = text if text.startswith(self.sent_text[i]) else self.sent_text[i]
+        text, sent = completion.text, self.sent_chars[i]
+        if out.finished:  # OutputText.final decodes every token at once: it must extend what was streamed
+            end = len(text) if text.startswith(self.sent_from[i][:sent]) else sent
+        else:
+            end = max(0, len(text) - self.hold)
+        delta = text[sent:end]  # only the new text: no copy or comparison of the whole text per step
+        self.sent_chars[i], self.sent_from[i] = max(sent, end), text
         echo_text, echo_ids, echo_entries = ("", [], []) if self.started[i] else self._echo(i, out)
         self.started[i] = True
         ids = completion.token_ids[self.sent_tokens[i]:]
