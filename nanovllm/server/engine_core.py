@@ -105,7 +105,13 @@ class CoreClient:
 
     def __init__(self, link: Link, start: CoreStart):
         self._commands_in, self._events = link
-        self._send_lock = threading.Lock()
+        # commands go out through a thread of their own, several to a message: a burst of requests fills the pipe
+        # faster than the engine process reads it, and a blocking write would stall the event loop meanwhile
+        self._outbox: list[tuple] = []
+        self._outbox_cond = threading.Condition()
+        self._send_error: OSError | None = None
+        self._writer = threading.Thread(target=self._write, name="nanovllm-engine-writer", daemon=True)
+        self._writer.start()
         self._stopping = False
         self._reader: threading.Thread | None = None
         self._prompts: dict[str, list[int]] = {}
@@ -124,21 +130,42 @@ class CoreClient:
         self._reader.start()
 
     def post(self, command: tuple) -> None:
+        """Queue a command for the engine process (in order); OSError once its pipe has broken."""
         if command[0] == "add":
             self._prompts[command[1]] = command[2]
-        with self._send_lock:
-            self._commands_in.send(command)
+        with self._outbox_cond:
+            if self._send_error is not None:
+                raise self._send_error
+            self._outbox.append(command)
+            self._outbox_cond.notify()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Tell the engine process this front end is done, and wait for its answer. The last front end to
-        stop lets the engine finish what it holds, then end; before that, its requests are aborted."""
+        """Tell the engine process this front end is done (after the commands queued before), and wait for its
+        answer. The last front end to stop lets the engine finish what it holds, then end; before that, its
+        requests are aborted."""
         self._stopping = True
         try:
-            with self._send_lock:
-                self._commands_in.send(("stop",))
+            self.post(("stop",))
         except OSError:  # it is gone already
             pass
+        self._writer.join(timeout)
         self.join(timeout)
+
+    def _write(self) -> None:
+        """Send what is queued, as one list per message, until a "stop" went out or the pipe broke."""
+        while True:
+            with self._outbox_cond:
+                while not self._outbox:
+                    self._outbox_cond.wait()
+                commands, self._outbox = self._outbox, []
+            try:
+                self._commands_in.send(commands)
+            except OSError as e:  # the engine process is gone: the reader reports it; posts raise from now on
+                with self._outbox_cond:
+                    self._send_error = e
+                return
+            if commands[-1][0] == "stop":
+                return
 
     def kill(self) -> None:
         """Stop reporting the engine's end: this front end goes (the engine process is not its own)."""
@@ -538,13 +565,15 @@ def _receive_commands(commands: dict[Connection, _PipeEvents], front_ends: _Fron
     while commands:
         for connection in wait(list(commands)):
             try:
-                command = connection.recv()
+                batch = connection.recv()  # a front end's commands, in order, several to a message
             except (EOFError, OSError):
-                command = None
+                batch = [None]
+            sink = commands[connection]
+            loop.post_many([front_ends.command(sink, c) for c in batch if c is not None and c[0] != "stop"])
+            command = batch[-1]  # "stop" comes last, and nothing after it
             if command is not None and command[0] != "stop":
-                loop.post(front_ends.command(commands[connection], command))
                 continue
-            sink = commands.pop(connection)
+            del commands[connection]
             if not commands and command is not None:
                 loop.stop()
                 return

@@ -64,8 +64,13 @@ class EngineLoop:
         self.failed = False  # run() ended because the engine broke
 
     def post(self, command: tuple) -> None:
+        self.post_many([command])
+
+    def post_many(self, commands: list[tuple]) -> None:
+        if not commands:
+            return
         with self._cond:
-            self._commands.append(command)
+            self._commands.extend(commands)
             self._cond.notify()
 
     def stop(self) -> None:
