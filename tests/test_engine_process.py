@@ -336,3 +336,46 @@ def test_events_to_a_front_end_slow_to_read_never_stall_the_engine_loop():
     sink.flush()  # after close: dropped, no error
     with pytest.raises(EOFError):  # nothing more, and the pipe closed
         reader.recv()
+
+
+def test_commands_to_an_engine_slow_to_read_never_stall_the_front_end(tiny_llama):
+    """A front end's posts go to its writer thread: with the engine process not reading (its loop busy), 20 adds
+    each larger than a pipe's buffer are queued at once (writing in the event loop's thread blocked on the first,
+    stalling every stream); read later, they arrive whole and in order, several to a message, and stop() sends
+    "stop" after them. Once the pipe is broken, a post raises OSError (the request fails at once)."""
+    import threading
+    from multiprocessing import Pipe
+
+    from nanovllm.server.engine_core import CoreClient, CoreStart, PoolLimits
+
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", kvcache_block_size=16, num_gpu_blocks=64)
+    bm = llm.block_manager
+    reader, writer = Pipe(duplex=False)
+    client = CoreClient((writer, None), CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks,
+                                                                        bm.block_size), llm.stats(), 0))
+    params = SamplingParams(max_tokens=2)
+    prompt = list(range(30_000))  # ~60 KB pickled: a few of them fill the pipe
+
+    def event_loop() -> None:
+        for k in range(20):
+            client.post(("add", f"r{k}", prompt, params))
+
+    front_end = threading.Thread(target=event_loop, daemon=True)
+    front_end.start()
+    front_end.join(timeout=5)
+    assert not front_end.is_alive(), "the front end blocked on an engine that does not read"
+    got = []
+    while len(got) < 20:
+        message = reader.recv()
+        assert isinstance(message, list) and message
+        got += message
+    assert [c[:2] for c in got] == [("add", f"r{k}") for k in range(20)] and got[0][2] == prompt
+    client.stop(timeout=5)
+    assert reader.recv() == [("stop",)]
+    again = CoreClient((Pipe(duplex=False)[1], None), CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks,
+                                                                               bm.block_size), llm.stats(), 0))
+    deadline = time.monotonic() + 10
+    with pytest.raises(OSError):  # its reading end is gone (the engine process died): the writer's send fails
+        while time.monotonic() < deadline:
+            again.post(("abort", "x"))
+            time.sleep(0.01)
