@@ -351,8 +351,8 @@ def test_commands_to_an_engine_slow_to_read_never_stall_the_front_end(tiny_llama
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", kvcache_block_size=16, num_gpu_blocks=64)
     bm = llm.block_manager
     reader, writer = Pipe(duplex=False)
-    client = CoreClient((writer, None), CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks,
-                                                                        bm.block_size), llm.stats(), 0))
+    start = CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks, bm.block_size), llm.stats(), 0)
+    client = CoreClient((writer, None), start)
     params = SamplingParams(max_tokens=2)
     prompt = list(range(30_000))  # ~60 KB pickled: a few of them fill the pipe
 
@@ -372,8 +372,7 @@ def test_commands_to_an_engine_slow_to_read_never_stall_the_front_end(tiny_llama
     assert [c[:2] for c in got] == [("add", f"r{k}") for k in range(20)] and got[0][2] == prompt
     client.stop(timeout=5)
     assert reader.recv() == [("stop",)]
-    again = CoreClient((Pipe(duplex=False)[1], None), CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks,
-                                                                               bm.block_size), llm.stats(), 0))
+    again = CoreClient((Pipe(duplex=False)[1], None), start)
     deadline = time.monotonic() + 10
     with pytest.raises(OSError):  # its reading end is gone (the engine process died): the writer's send fails
         while time.monotonic() < deadline:
