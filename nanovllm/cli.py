@@ -6,6 +6,7 @@ import time
 
 from nanovllm.engine_args import add_engine_options, engine_options, run_command
 from nanovllm.log_setup import configure_logging
+from nanovllm.server import HTTP_PARSERS, UVICORN_LOOPS
 
 MODEL_HELP = ("HF-format model directory, a Hugging Face Hub id (org/name, downloaded into the hub cache) or "
               "smollm2-135m / qwen2.5-coder-0.5b (default: SmolLM2-135M-Instruct)")
@@ -163,9 +164,9 @@ def add_serve_parser(sub) -> None:
                        help="HTTP front-end processes sharing the listening socket and one engine process (needs "
                             "--engine-core process); each tokenizes, detokenizes and streams its own requests, and "
                             "its /metrics counts its own requests beside the engine's gauges (default: 1)")
-    serve.add_argument("--uvicorn-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+    serve.add_argument("--uvicorn-loop", default="auto", choices=UVICORN_LOOPS,
                        help="the front end's event loop (default: auto, uvloop where installed)")
-    serve.add_argument("--uvicorn-http", default="auto", choices=["auto", "httptools", "h11"],
+    serve.add_argument("--uvicorn-http", default="auto", choices=HTTP_PARSERS,
                        help="the front end's HTTP parser (default: auto, httptools where installed; h11 is pure "
                             "Python and costs more CPU per streamed token)")
     add_engine_options(serve)

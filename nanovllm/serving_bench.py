@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanovllm.server import HTTP_PARSERS, UVICORN_LOOPS
 from nanovllm.serving_profile import ServerProfile, find_py_spy, front_end_pids, server_processes
 
 
@@ -629,9 +630,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="the started server's --api-server-count: HTTP front-end processes over one engine "
                              "process; 'server front end' then sums them and names the busiest (default: 1)")
-    parser.add_argument("--uvicorn-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+    parser.add_argument("--uvicorn-loop", default="auto", choices=UVICORN_LOOPS,
                         help="the started server's --uvicorn-loop (default: auto)")
-    parser.add_argument("--uvicorn-http", default="auto", choices=["auto", "httptools", "h11"],
+    parser.add_argument("--uvicorn-http", default="auto", choices=HTTP_PARSERS,
                         help="the started server's --uvicorn-http (default: auto)")
     parser.add_argument("--http-client", default="aiohttp", choices=HTTP_CLIENTS,
                         help="the client's HTTP library (default: aiohttp, as vLLM's benchmark; httpx costs ~4x the "

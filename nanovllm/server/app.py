@@ -38,6 +38,7 @@ from nanovllm.engine import gc_watch
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.server import protocol as p
+from nanovllm.server import UVICORN_LOOPS
 from nanovllm.server import responses as r
 from nanovllm.server.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from nanovllm.server.engine_core import CoreClient
@@ -51,7 +52,6 @@ log = logging.getLogger("nanovllm.server")
 
 API_KEY_ENV = "NANOVLLM_API_KEY"
 DONE = b"data: [DONE]\n\n"
-UVICORN_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 @dataclass(frozen=True)

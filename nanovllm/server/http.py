@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from nanovllm.server import HTTP_PARSERS
 from nanovllm.server.protocol import APIError
 
 OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -206,9 +207,6 @@ def _httptools_header_timeout() -> type:
             self._cancel_header_deadline()
 
     return HttpToolsHeaderTimeout
-
-
-HTTP_PARSERS = ("auto", "httptools", "h11")
 
 
 def http_parser(choice: str) -> str:
