@@ -87,18 +87,20 @@ def test_forced_blocks_through_the_kernel_equal_the_torch_path():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_columns", [256, 16])
-@pytest.mark.parametrize("heads, tiles, columns, lead, tiles_per_granule",
-                         [(3, 40, 100, 0, 4), (2, 33, 77, 3, 8), (4, 16, 300, 0, 16), (1, 5, 9, 1, 2)])
-def test_softmax_granule_sums_equal_the_torch_path(heads, tiles, columns, lead, tiles_per_granule, block_columns,
-                                                   dtype):
+@pytest.mark.parametrize("heads, tiles, columns, lead, tiles_per_granule, spread",
+                         [(3, 40, 100, 0, 4, 3), (2, 33, 77, 3, 8, 3), (4, 16, 300, 0, 16, 3), (1, 5, 9, 1, 2, 3),
+                          (2, 24, 200, 0, 8, 300)])
+def test_softmax_granule_sums_equal_the_torch_path(heads, tiles, columns, lead, tiles_per_granule, spread,
+                                                   block_columns, dtype):
     """The kernel's softmax and granule sums of causally masked scores (the chunk's tiles see the columns up to
     their own) equal the PyTorch path's softmax, zero padding and sums: a lead of zero tiles, ragged last
-    granules, blocks of columns narrower and wider than the row."""
+    granules, blocks of columns narrower and wider than the row, scores far apart (a row's running max moves by
+    hundreds between blocks: the rescaling of earlier blocks' sums must neither overflow nor lose them)."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_xattention import softmax_granule_sums
 
     g = torch.Generator().manual_seed(tiles + columns)
-    scores = (torch.randn(heads, tiles, columns, generator=g) * 3).to(dtype).float()
+    scores = (torch.randn(heads, tiles, columns, generator=g) * spread).to(dtype).float()
     hidden = torch.arange(columns)[None, :] > columns - tiles + torch.arange(tiles)[:, None]
     scores.masked_fill_(hidden, float("-inf"))
     rows, key_granules = -(-(lead + tiles) // tiles_per_granule), -(-columns // tiles_per_granule)
