@@ -197,3 +197,35 @@ def softmax_granule_sums(scores: torch.Tensor, lead: int, rows: int, key_granule
         TILES_PER_GRANULE=tiles_per_granule, BLOCK_C=block_c, num_warps=num_warps,
     )
     return out
+
+
+@triton.jit(do_not_specialize=["num_rows", "stride_sn", "stride_sc", "stride_oc", "stride_oj"])
+def _gather_rows_kernel(src_ptr, index_ptr, out_ptr, num_rows, scale, stride_sn, stride_sc, stride_oc, stride_oj,
+                        DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr):
+    j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    channel = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    index = tl.load(index_ptr + j, mask=j < num_rows, other=-1)
+    found = (index >= 0)[:, None] & (d < DIM)[None, :]
+    rows = tl.load(src_ptr + index.to(tl.int64)[:, None] * stride_sn + channel * stride_sc + d[None, :], mask=found,
+                   other=0.0)
+    values = (rows.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + channel * stride_oc + j.to(tl.int64)[:, None] * stride_oj + d[None, :], values,
+             mask=(j < num_rows)[:, None] & (d < DIM)[None, :])
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, scale: float = 1.0, dtype: torch.dtype | None = None,
+                block_rows: int = 64) -> torch.Tensor:
+    """out [C, J, D] with out[c, j] = src[index[j], c] * scale in float32 (zero where index[j] < 0), from src [N, C, D] (any
+    strides but a contiguous last dim) and int64 index [J] on its device: XAttention's key and query tiles
+    (`key_tile_rows`, `query_tile_rows`) in one read of their rows, where a permuted copy and a gather took two."""
+    num_channels, dim = src.shape[1], src.shape[2]
+    if src.stride(2) != 1:
+        src = src.contiguous()
+    out = torch.empty(num_channels, index.numel(), dim, dtype=dtype or src.dtype, device=src.device)
+    if index.numel():
+        _gather_rows_kernel[(triton.cdiv(index.numel(), block_rows), num_channels)](
+            src, index, out, index.numel(), scale, src.stride(0), src.stride(1), out.stride(0), out.stride(1),
+            DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_J=block_rows, num_warps=4,
+        )
+    return out

@@ -259,16 +259,13 @@ def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor, one_copy: bo
     """keys [seq_len, Hk, D] as [Hk, key tiles, stride * D]: each tile's rows side by side in reverse order
     (the last tile padded with zero rows), in the matmul dtype of queries like q. Reversed here, once per
     layer, so that a query tile's rows pair with them in order (its antidiagonal) without a flip per chunk.
-    one_copy: one gather of the rows in their new order and layout (then the padding zeroed) instead of a
-    flip and a copy to the new layout (the same tensor)."""
+    one_copy: one gather of the rows in their new order and layout (`tile_rows`) instead of a flip and a copy to
+    the new layout (the same tensor)."""
     seq_len, num_kv_heads, dim = keys.shape
     num_key_tiles = -(-seq_len // stride)
     if one_copy:
-        order = torch.arange(num_key_tiles * stride, device=keys.device).view(num_key_tiles, stride).flip(1)
-        rows = keys.to(_work_dtype(q)).permute(1, 0, 2).index_select(1, order.flatten().clamp_(max=seq_len - 1))
-        pad = num_key_tiles * stride - seq_len  # past the end: the last tile's first `pad` rows, once reversed
-        if pad:
-            rows[:, rows.shape[1] - stride : rows.shape[1] - stride + pad].zero_()
+        order = torch.arange(num_key_tiles * stride, device=keys.device).view(num_key_tiles, stride).flip(1).flatten()
+        rows = tile_rows(keys, torch.where(order < seq_len, order, -1), 1.0, _work_dtype(q))
         return rows.view(num_kv_heads, num_key_tiles, stride * dim)
     padded = _pad_rows(keys.to(_work_dtype(q)), 0, num_key_tiles * stride - seq_len)
     return padded.view(num_key_tiles, stride, num_kv_heads, dim).flip(1).permute(2, 0, 1, 3).reshape(
@@ -276,17 +273,26 @@ def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor, one_copy: bo
 
 
 def query_tile_rows(q: torch.Tensor, stride: int, num_kv_heads: int, lead: int, num_tiles: int) -> torch.Tensor:
-    """q [n_q, Hq, D] divided by sqrt(D) * stride, as [Hk, group * tiles, stride * D] in the matmul dtype: each
+    """q [n_q, Hq, D] times 1 / (sqrt(D) * stride), as [Hk, group * tiles, stride * D] in the matmul dtype: each
     query tile's rows side by side, `lead` zero rows before the first query and zero rows after the last to
-    whole tiles. One kernel writes the scaled queries into that layout (on the CPU a dtype copy comes first)."""
+    whole tiles, in one gather (`tile_rows`)."""
     n_q, num_heads, dim = q.shape
     group = num_heads // num_kv_heads
-    rows = torch.empty(num_kv_heads, group, num_tiles * stride, dim, dtype=_work_dtype(q), device=q.device)
-    rows[:, :, :lead].zero_()
-    rows[:, :, lead + n_q :].zero_()
-    source = q.to(rows.dtype).view(n_q, num_kv_heads, group, dim).permute(1, 2, 0, 3)
-    torch.div(source, dim**0.5 * stride, out=rows[:, :, lead : lead + n_q])
+    index = torch.arange(-lead, num_tiles * stride - lead, device=q.device)
+    rows = tile_rows(q, torch.where(index < n_q, index, -1), 1.0 / (dim**0.5 * stride), _work_dtype(q))
     return rows.view(num_kv_heads, group * num_tiles, stride * dim)
+
+
+def tile_rows(src: torch.Tensor, index: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """[C, J, D] in dtype: out[c, j] = src[index[j], c] * scale, zero where index[j] < 0, from src [N, C, D]: one
+    Triton kernel on CUDA (triton_xattention.gather_rows, a read of each row), else this PyTorch reference."""
+    if src.is_cuda:
+        from nanovllm.kernels.triton_xattention import gather_rows
+
+        return gather_rows(src, index, scale, dtype)
+    rows = src.to(dtype).permute(1, 0, 2).index_select(1, index.clamp(min=0))
+    rows = rows.mul_(scale) if scale != 1.0 else rows
+    return rows.masked_fill_((index < 0)[None, :, None], 0.0)
 
 
 def antidiagonal_scores(q: torch.Tensor, keys: torch.Tensor, stride: int, key_rows: torch.Tensor | None = None,
