@@ -359,28 +359,6 @@ def test_one_copy_tiles_equal_the_flip_and_copy_layout(seq_len, n_q, dtype):
     assert first == new_first and torch.equal(new_scores, old_scores)
 
 
-@pytest.mark.parametrize("one_copy", [False, True], ids=["flip-tiles", "one-copy-tiles"])
-@pytest.mark.parametrize("seq_len", [160, 150, 1])
-def test_keys_where_they_lie_in_the_cache_give_the_gathered_keys_tiles_and_selection(seq_len, one_copy):
-    """PagedKeys (a sequence's keys in the blocks of a paged cache, in table order, the last block partly used): the
-    tiles key_tile_rows makes from them, their slices and the selection equal those of the keys gathered first."""
-    from nanovllm.layers.xattention import PagedKeys, XAttentionSelector, key_tile_rows
-
-    g = torch.Generator().manual_seed(seq_len)
-    block_size, heads = 32, 2
-    cache = torch.randn(9, block_size, heads, 16, generator=g)
-    table = torch.randperm(9, generator=g)[: -(-seq_len // block_size)]
-    paged = PagedKeys.of_blocks(cache, table, seq_len)
-    keys = cache[table].flatten(0, 1)[:seq_len]
-    q = torch.randn(min(seq_len, 70), 4, 16, generator=g)
-    assert paged.shape == keys.shape and torch.equal(paged.gather(), keys)
-    assert torch.equal(paged[: seq_len // 2].gather(), keys[: seq_len // 2])
-    assert torch.equal(key_tile_rows(paged, 4, q, one_copy), key_tile_rows(keys, 4, q, one_copy))
-    selector = XAttentionSelector(None, None, threshold=0.8, stride=4, block_size=16, min_context=0)
-    selector.one_copy_tiles = one_copy
-    assert torch.equal(selector.sequence_selection(q, paged, 32), selector.sequence_selection(q, keys, 32))
-
-
 @pytest.mark.parametrize("seq_len, num_queries", [(150, 120), (160, 128)], ids=["ragged", "whole-granules"])
 @pytest.mark.parametrize("chunk", [16, 48, 64])
 def test_xattention_estimate_in_query_chunks_equals_one_pass(chunk, seq_len, num_queries):

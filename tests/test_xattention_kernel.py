@@ -95,7 +95,7 @@ def test_softmax_granule_sums_equal_the_torch_path(heads, tiles, columns, lead, 
     """The kernel's softmax and granule sums of causally masked scores (the chunk's tiles see the columns up to
     their own) equal the PyTorch path's softmax, zero padding and sums: a lead of zero tiles, ragged last
     granules, blocks of columns narrower and wider than the row, scores far apart (a row's running max moves by
-    hundreds between blocks: the rescaling of earlier blocks' sums must neither overflow nor lose them)."""
+    hundreds between blocks of columns: what came before must be rescaled, neither overflowing nor lost)."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_xattention import softmax_granule_sums
 
@@ -147,29 +147,3 @@ def test_warm_up_runs_the_sums_kernel_variant_a_prefill_runs(monkeypatch, kv_blo
     q, keys = inputs(3 * max(kv_block, xattn_block), 2 * max(kv_block, xattn_block), 2, 2, 16, torch.bfloat16)
     s.sequence_selection(q, keys, kv_block)
     assert len(warmed) == 1 and calls[1:] and set(calls[1:]) == set(warmed)
-
-
-@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                              (torch.float32, torch.float32)])
-@pytest.mark.parametrize("scale", [1.0, 1 / 64, 1 / 3])
-@pytest.mark.parametrize("rows, channels, dim, permuted", [(50, 3, 16, False), (77, 2, 24, True), (9, 4, 32, True)])
-def test_gather_rows_equals_the_torch_reference(rows, channels, dim, permuted, scale, dtype, out_dtype):
-    """The kernel behind XAttention's key and query tiles against `tile_rows`' PyTorch path: rows taken in any order,
-    some twice, -1 (zero rows) among them, from a source whose rows and channels are strided, scaled in float32."""
-    pytest.importorskip("triton")
-    from nanovllm.kernels.triton_xattention import gather_rows
-    from nanovllm.layers.xattention import tile_rows
-
-    g = torch.Generator().manual_seed(rows * channels + dim)
-    src = torch.randn(channels, rows, dim, generator=g).to(dtype).transpose(0, 1) if permuted else \
-        torch.randn(rows, channels, dim, generator=g).to(dtype)
-    index = torch.randint(-1, rows, (2 * rows + 5,), generator=g)
-    index[:3] = torch.tensor([-1, rows - 1, rows - 1])
-    want = tile_rows(src, index, scale, out_dtype)
-    got = gather_rows(src.to(DEVICE), index.to(DEVICE), scale, out_dtype, block_rows=16).cpu()
-    assert got.dtype == out_dtype and got.shape == (channels, index.numel(), dim)
-    if scale == 1 / 3 and out_dtype == torch.bfloat16:  # rounded to bf16: the CPU interpreter truncates instead
-        torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
-    else:
-        assert torch.equal(got, want)
-    assert not got[:, index < 0].any()

@@ -5,8 +5,7 @@ sum over j of q[t*S + S-1-j] . k[u*S + j] (the tile's antidiagonal), times 1/(sq
 and head takes a softmax over its causally visible key tiles (u <= t), and the probabilities are summed
 over the tiles of each (query granule, key granule). `XAttentionSelector.granule_mass`'s PyTorch path
 (`antidiagonal_scores`, a softmax, one sum per granule) is the reference. `softmax_granule_sums` is the second
-half of that path alone: the softmax and the granule sums of given scores in one read of them, without writing
-probabilities.
+half of that path alone: the softmax and the granule sums of given scores, without writing probabilities.
 
 One program per (block of BLOCK_M query tiles, whole query granules; query head), reading q [n_q, Hq, D]
 and keys [seq_len, Hk, D] in place (a zero for rows before the first query or past the last key). One
@@ -124,28 +123,19 @@ def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, gran
 
 
 @triton.jit(do_not_specialize=["num_tiles", "num_columns", "lead", "key_granules", "stride_sh", "stride_st",
-                               "stride_oh", "stride_or", "stride_ph", "stride_pr", "stride_mh", "stride_mr"])
+                               "stride_oh", "stride_or"])  # lengths vary by chunk
 def _softmax_granule_sums_kernel(
-    scores_ptr, out_ptr, part_ptr, max_ptr, num_tiles, num_columns, lead, key_granules, stride_sh, stride_st,
-    stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr,
+    scores_ptr, out_ptr, num_tiles, num_columns, lead, key_granules, stride_sh, stride_st, stride_oh, stride_or,
     TILES_PER_GRANULE: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """One (head, query granule) in one read of its tile rows: per block of columns an online softmax step and
-    each row's exp-sums per key granule relative to the running max of that moment, kept in a scratch (the
-    scores' size over the granule) with that max; an epilogue rescales them by exp(max then - max) / sum and
-    sums the rows. Rows outside [0, num_tiles) count zero."""
+    """One (head, query granule): its tile rows' softmax statistics in a first pass over the row, then the
+    probabilities summed per key granule in a second; rows outside [0, num_tiles) count zero."""
     head = tl.program_id(0)
     granule = tl.program_id(1)
-    r = tl.arange(0, TILES_PER_GRANULE)
-    t = granule * TILES_PER_GRANULE - lead + r
+    t = granule * TILES_PER_GRANULE - lead + tl.arange(0, TILES_PER_GRANULE)
     row_ok = (t >= 0) & (t < num_tiles)
     rows = scores_ptr + head.to(tl.int64) * stride_sh + t.to(tl.int64)[:, None] * stride_st
-    scratch = granule.to(tl.int64) * TILES_PER_GRANULE + r  # this program's rows of the scratch
-    parts = part_ptr + head.to(tl.int64) * stride_ph + scratch[:, None] * stride_pr
-    maxes = max_ptr + head.to(tl.int64) * stride_mh + scratch * stride_mr
     offs = tl.arange(0, BLOCK_C)
-    GRANULES: tl.constexpr = BLOCK_C // TILES_PER_GRANULE
-    g = tl.arange(0, GRANULES)
     m = tl.full([TILES_PER_GRANULE], float("-inf"), tl.float32)
     total = tl.zeros([TILES_PER_GRANULE], tl.float32)
     for start in range(0, num_columns, BLOCK_C):
@@ -154,23 +144,20 @@ def _softmax_granule_sums_kernel(
                     other=float("-inf")).to(tl.float32) * LOG2_E
         m_new = tl.maximum(m, tl.max(s, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
-        p = tl.exp2(s - shift[:, None])
-        total = total * tl.exp2(m - shift) + tl.sum(p, axis=1)
+        total = total * tl.exp2(m - shift) + tl.sum(tl.exp2(s - shift[:, None]), axis=1)
         m = m_new
-        part = tl.sum(tl.reshape(p, [TILES_PER_GRANULE, GRANULES, TILES_PER_GRANULE]), axis=2)
-        tl.store(parts + (start // TILES_PER_GRANULE + g)[None, :], part)
-        tl.store(maxes + start // BLOCK_C, m)
-    tl.debug_barrier()  # the epilogue's threads read what other threads of the program wrote
+    shift = tl.where(m == float("-inf"), 0.0, m)
     counted = row_ok & (total > 0)
     weight = tl.where(counted, 1.0 / tl.where(counted, total, 1.0), 0.0)
+    GRANULES: tl.constexpr = BLOCK_C // TILES_PER_GRANULE
     for start in range(0, num_columns, BLOCK_C):
-        part = tl.load(parts + (start // TILES_PER_GRANULE + g)[None, :])
-        m_then = tl.load(maxes + start // BLOCK_C)
-        # m_then -inf: nothing visible in the row yet, its parts are zero (no 0 * inf from a large shift)
-        factor = tl.where(m_then == float("-inf"), 0.0, tl.exp2(m_then - tl.where(m_then == float("-inf"), 0.0, m)))
-        mass = tl.sum(part * (factor * weight)[:, None], axis=0)
-        key = start // TILES_PER_GRANULE + g
-        tl.store(out_ptr + head.to(tl.int64) * stride_oh + granule * stride_or + key, mass, mask=key < key_granules)
+        cols = start + offs
+        s = tl.load(rows + cols[None, :], mask=row_ok[:, None] & (cols < num_columns)[None, :],
+                    other=float("-inf")).to(tl.float32) * LOG2_E
+        column_mass = tl.sum(tl.exp2(s - shift[:, None]) * weight[:, None], axis=0)
+        mass = tl.sum(tl.reshape(column_mass, [GRANULES, TILES_PER_GRANULE]), axis=1)
+        g = start // TILES_PER_GRANULE + tl.arange(0, GRANULES)
+        tl.store(out_ptr + head.to(tl.int64) * stride_oh + granule * stride_or + g, mass, mask=g < key_granules)
 
 
 def softmax_granule_sums(scores: torch.Tensor, lead: int, rows: int, key_granules: int, tiles_per_granule: int,
@@ -179,53 +166,16 @@ def softmax_granule_sums(scores: torch.Tensor, lead: int, rows: int, key_granule
     summed over the tiles of each (query granule, key granule); query granule r holds the rows
     r * tiles_per_granule - lead onwards, key granule g the columns g * tiles_per_granule onwards, and rows or
     columns past the scores count zero. What `XAttentionSelector.granule_mass` makes from the probabilities
-    (softmax, zero padding, one sum per granule), in one read of the scores and no write of their size."""
+    (softmax, zero padding, one sum per granule), in two reads of the scores and no write of their size."""
     heads, num_tiles, num_columns = scores.shape
     if scores.stride(2) != 1:
         raise ValueError("scores must have contiguous rows")
     if tiles_per_granule & (tiles_per_granule - 1):
         raise ValueError(f"tiles per granule must be a power of two, got {tiles_per_granule}")
     block_c = max(block_columns, tiles_per_granule)
-    blocks = triton.cdiv(num_columns, block_c)
     out = torch.empty(heads, rows, key_granules, dtype=torch.float32, device=scores.device)
-    part = torch.empty(heads, rows * tiles_per_granule, blocks * (block_c // tiles_per_granule), dtype=torch.float32,
-                       device=scores.device)
-    running_max = torch.empty(heads, rows * tiles_per_granule, blocks, dtype=torch.float32, device=scores.device)
     _softmax_granule_sums_kernel[(heads, rows)](
-        scores, out, part, running_max, num_tiles, num_columns, lead, key_granules, scores.stride(0), scores.stride(1),
-        out.stride(0), out.stride(1), part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1),
-        TILES_PER_GRANULE=tiles_per_granule, BLOCK_C=block_c, num_warps=num_warps,
+        scores, out, num_tiles, num_columns, lead, key_granules, scores.stride(0), scores.stride(1), out.stride(0),
+        out.stride(1), TILES_PER_GRANULE=tiles_per_granule, BLOCK_C=block_c, num_warps=num_warps,
     )
-    return out
-
-
-@triton.jit(do_not_specialize=["num_rows", "stride_sn", "stride_sc", "stride_oc", "stride_oj"])
-def _gather_rows_kernel(src_ptr, index_ptr, out_ptr, num_rows, scale, stride_sn, stride_sc, stride_oc, stride_oj,
-                        DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr):
-    j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
-    channel = tl.program_id(1).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    index = tl.load(index_ptr + j, mask=j < num_rows, other=-1)
-    found = (index >= 0)[:, None] & (d < DIM)[None, :]
-    rows = tl.load(src_ptr + index.to(tl.int64)[:, None] * stride_sn + channel * stride_sc + d[None, :], mask=found,
-                   other=0.0)
-    values = (rows.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + channel * stride_oc + j.to(tl.int64)[:, None] * stride_oj + d[None, :], values,
-             mask=(j < num_rows)[:, None] & (d < DIM)[None, :])
-
-
-def gather_rows(src: torch.Tensor, index: torch.Tensor, scale: float = 1.0, dtype: torch.dtype | None = None,
-                block_rows: int = 64) -> torch.Tensor:
-    """out [C, J, D] with out[c, j] = src[index[j], c] * scale in float32 (zero where index[j] < 0), from src [N, C, D] (any
-    strides but a contiguous last dim) and int64 index [J] on its device: XAttention's key and query tiles
-    (`key_tile_rows`, `query_tile_rows`) in one read of their rows, where a permuted copy and a gather took two."""
-    num_channels, dim = src.shape[1], src.shape[2]
-    if src.stride(2) != 1:
-        src = src.contiguous()
-    out = torch.empty(num_channels, index.numel(), dim, dtype=dtype or src.dtype, device=src.device)
-    if index.numel():
-        _gather_rows_kernel[(triton.cdiv(index.numel(), block_rows), num_channels)](
-            src, index, out, index.numel(), scale, src.stride(0), src.stride(1), out.stride(0), out.stride(1),
-            DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_J=block_rows, num_warps=4,
-        )
     return out

@@ -13,7 +13,6 @@ Selections are made at max(block_size, KV block) tokens.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -106,25 +105,21 @@ class XAttentionSelector(BlockSelector):
             return num_blocks
         return max(0, -(-prefill_end // self.block_size) - self.dense_last_blocks) * self.block_size // kv_block
 
-    def _keys(self, layer: int, batch: SelectionInput, i: int) -> torch.Tensor | PagedKeys:
-        """[seq_len, Hk, D] keys of sequence i: where every block is on the device, where they lie in the cache
-        (`PagedKeys`, gathered once into the estimate's tiles); else the device blocks from the cache and the
-        host blocks' K from the pool."""
+    def _keys(self, layer: int, batch: SelectionInput, i: int) -> torch.Tensor:
+        """[seq_len, Hk, D] keys of sequence i: device blocks from the cache, host blocks' K from the pool."""
         n, table = batch.num_blocks(i), batch.block_tables[i]
         flags = batch.on_host[i][:n] if batch.on_host else [False] * n
         k_cache = self.cache.layer(layer)[0]
-        ids = self._device_ids(batch, i, flags, k_cache.device)
+        blocks = k_cache.index_select(0, self._device_ids(batch, i, flags, k_cache.device))
         host = [c for c in range(n) if flags[c]]
-        if not host:
-            return PagedKeys.of_blocks(k_cache, ids, batch.seq_lens[i])
-        blocks = k_cache.index_select(0, ids)
-        host_ids = [table[c] for c in host]
-        keys = self.host_pool.read_keys(layer, host_ids, k_cache.device)
-        blocks.index_copy_(0, self._host_columns(batch, i, host, k_cache.device), keys)
-        if batch.host_keys is not None:
-            batch.host_keys.add(host_ids, keys)
-        if batch.stats is not None:
-            batch.stats.host_bytes[i] += len(host) * self.host_pool.block_bytes_per_layer // 2
+        if host:
+            host_ids = [table[c] for c in host]
+            keys = self.host_pool.read_keys(layer, host_ids, k_cache.device)
+            blocks.index_copy_(0, self._host_columns(batch, i, host, k_cache.device), keys)
+            if batch.host_keys is not None:
+                batch.host_keys.add(host_ids, keys)
+            if batch.stats is not None:
+                batch.stats.host_bytes[i] += len(host) * self.host_pool.block_bytes_per_layer // 2
         return blocks.flatten(0, 1)[: batch.seq_lens[i]]
 
     @staticmethod
@@ -145,7 +140,7 @@ class XAttentionSelector(BlockSelector):
             return batch.host_columns[i, : len(columns)]
         return torch.tensor(columns, dtype=torch.int64).to(device, non_blocking=True)
 
-    def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor | PagedKeys, kv_block: int) -> torch.Tensor:
+    def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor, kv_block: int) -> torch.Tensor:
         """q [n_q, Hq, D] (the last n_q of seq_len positions), keys [seq_len, Hk, D] -> bool
         [Hk, query blocks, blocks] at KV-block granularity, on q's device."""
         seq_len = keys.shape[0]
@@ -163,7 +158,7 @@ class XAttentionSelector(BlockSelector):
         key_granules = torch.arange(n, device=keep.device) * kv_block // granule
         return keep[:, query_granules][:, :, key_granules]
 
-    def granule_mass(self, q: torch.Tensor, keys: torch.Tensor | PagedKeys, granule: int,
+    def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int,
                      chunk: int = ESTIMATE_CHUNK) -> tuple[torch.Tensor, int]:
         """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
         holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
@@ -178,8 +173,6 @@ class XAttentionSelector(BlockSelector):
         tiles_per_granule = granule // self.stride
         step = max(granule, chunk // granule * granule)
         fused = self._fused_estimate(q, granule)
-        if fused is not None and isinstance(keys, PagedKeys):
-            keys = keys.gather()
         key_rows = None if fused is not None else key_tile_rows(keys, self.stride, q, self.one_copy_tiles)
         sums_kernel = self._granule_sums_kernel(q, granule)
         parts = []
@@ -251,34 +244,6 @@ class XAttentionSelector(BlockSelector):
         return torch.empty_like(covering).scatter_(-1, order, covering)
 
 
-@dataclass(frozen=True)
-class PagedKeys:
-    """A sequence's keys where they lie: position p is row rows[p] of cache_rows [cache rows, Hk, D] (the paged
-    cache viewed a token a row). Sliced like a tensor of its shape [seq_len, Hk, D] (`[:hi]`); `key_tile_rows`
-    gathers the estimate's tiles from it directly."""
-
-    cache_rows: torch.Tensor
-    rows: torch.Tensor  # int64 [seq_len] on the cache's device
-
-    @classmethod
-    def of_blocks(cls, k_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> PagedKeys:
-        """k_cache [blocks, block_size, Hk, D], block_ids: the sequence's blocks (int64 on the cache's device)."""
-        block_size = k_cache.shape[1]
-        offsets = torch.arange(block_size, device=block_ids.device)
-        rows = (block_ids[:, None] * block_size + offsets).flatten()[:seq_len]
-        return cls(k_cache.flatten(0, 1), rows)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.rows.numel(), *self.cache_rows.shape[1:]))
-
-    def __getitem__(self, positions: slice) -> PagedKeys:
-        return PagedKeys(self.cache_rows, self.rows[positions])
-
-    def gather(self) -> torch.Tensor:
-        return self.cache_rows.index_select(0, self.rows)
-
-
 def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
     """x [rows, ...] with zero rows added before and after; x itself when none are (F.pad would copy it)."""
     if not before and not after:
@@ -290,51 +255,38 @@ def _work_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype if q.is_cuda else torch.float32  # half-precision matmuls on the tensor cores
 
 
-def key_tile_rows(keys: torch.Tensor | PagedKeys, stride: int, q: torch.Tensor, one_copy: bool = False) -> torch.Tensor:
+def key_tile_rows(keys: torch.Tensor, stride: int, q: torch.Tensor, one_copy: bool = False) -> torch.Tensor:
     """keys [seq_len, Hk, D] as [Hk, key tiles, stride * D]: each tile's rows side by side in reverse order
     (the last tile padded with zero rows), in the matmul dtype of queries like q. Reversed here, once per
     layer, so that a query tile's rows pair with them in order (its antidiagonal) without a flip per chunk.
-    one_copy: one gather of the rows in their new order and layout (`tile_rows`; from the cache itself for
-    `PagedKeys`) instead of a flip and a copy to the new layout (the same tensor)."""
+    one_copy: one gather of the rows in their new order and layout (then the padding zeroed) instead of a
+    flip and a copy to the new layout (the same tensor)."""
     seq_len, num_kv_heads, dim = keys.shape
     num_key_tiles = -(-seq_len // stride)
     if one_copy:
-        order = torch.arange(num_key_tiles * stride, device=q.device).view(num_key_tiles, stride).flip(1).flatten()
-        inside = order < seq_len
-        if isinstance(keys, PagedKeys):
-            source, index = keys.cache_rows, torch.where(inside, keys.rows[order.clamp(max=seq_len - 1)], -1)
-        else:
-            source, index = keys, torch.where(inside, order, -1)
-        rows = tile_rows(source, index, 1.0, _work_dtype(q))
+        order = torch.arange(num_key_tiles * stride, device=keys.device).view(num_key_tiles, stride).flip(1)
+        rows = keys.to(_work_dtype(q)).permute(1, 0, 2).index_select(1, order.flatten().clamp_(max=seq_len - 1))
+        pad = num_key_tiles * stride - seq_len  # past the end: the last tile's first `pad` rows, once reversed
+        if pad:
+            rows[:, rows.shape[1] - stride : rows.shape[1] - stride + pad].zero_()
         return rows.view(num_kv_heads, num_key_tiles, stride * dim)
-    if isinstance(keys, PagedKeys):
-        keys = keys.gather()
     padded = _pad_rows(keys.to(_work_dtype(q)), 0, num_key_tiles * stride - seq_len)
     return padded.view(num_key_tiles, stride, num_kv_heads, dim).flip(1).permute(2, 0, 1, 3).reshape(
         num_kv_heads, num_key_tiles, stride * dim)
 
 
 def query_tile_rows(q: torch.Tensor, stride: int, num_kv_heads: int, lead: int, num_tiles: int) -> torch.Tensor:
-    """q [n_q, Hq, D] times 1 / (sqrt(D) * stride), as [Hk, group * tiles, stride * D] in the matmul dtype: each
+    """q [n_q, Hq, D] divided by sqrt(D) * stride, as [Hk, group * tiles, stride * D] in the matmul dtype: each
     query tile's rows side by side, `lead` zero rows before the first query and zero rows after the last to
-    whole tiles, in one gather (`tile_rows`)."""
+    whole tiles. One kernel writes the scaled queries into that layout (on the CPU a dtype copy comes first)."""
     n_q, num_heads, dim = q.shape
     group = num_heads // num_kv_heads
-    index = torch.arange(-lead, num_tiles * stride - lead, device=q.device)
-    rows = tile_rows(q, torch.where(index < n_q, index, -1), 1.0 / (dim**0.5 * stride), _work_dtype(q))
+    rows = torch.empty(num_kv_heads, group, num_tiles * stride, dim, dtype=_work_dtype(q), device=q.device)
+    rows[:, :, :lead].zero_()
+    rows[:, :, lead + n_q :].zero_()
+    source = q.to(rows.dtype).view(n_q, num_kv_heads, group, dim).permute(1, 2, 0, 3)
+    torch.div(source, dim**0.5 * stride, out=rows[:, :, lead : lead + n_q])
     return rows.view(num_kv_heads, group * num_tiles, stride * dim)
-
-
-def tile_rows(src: torch.Tensor, index: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """[C, J, D] in dtype: out[c, j] = src[index[j], c] * scale, zero where index[j] < 0, from src [N, C, D]: one
-    Triton kernel on CUDA (triton_xattention.gather_rows, a read of each row), else this PyTorch reference."""
-    if src.is_cuda:
-        from nanovllm.kernels.triton_xattention import gather_rows
-
-        return gather_rows(src, index, scale, dtype)
-    rows = src.permute(1, 0, 2).index_select(1, index.clamp(min=0)).to(dtype)
-    rows = rows.mul_(scale) if scale != 1.0 else rows
-    return rows.masked_fill_((index < 0)[None, :, None], 0.0)
 
 
 def antidiagonal_scores(q: torch.Tensor, keys: torch.Tensor, stride: int, key_rows: torch.Tensor | None = None,
