@@ -202,11 +202,15 @@ def run_rate(url: str, model: str, prompts, out_lens, rate: float, seed: int = 0
     summary["client_start_spread_s"] = max(starts) - first_send  # the last client process's first send after the first
     steps_after = server_steps(url)
     if steps_before is not None and steps_after is not None:
-        summary["engine_steps"] = {kind: int(steps_after[kind] - steps_before[kind]) for kind in steps_after
-                                   if kind not in ("seconds", "gc_seconds")}
+        from nanovllm.engine.step_plan import STEP_KINDS
+
+        summary["engine_steps"] = {kind: int(steps_after[kind] - steps_before[kind]) for kind in STEP_KINDS}
         summary["engine_step_s"] = steps_after["seconds"] - steps_before["seconds"]
         if steps_after["gc_seconds"] is not None and steps_before["gc_seconds"] is not None:
             summary["engine_gc_s"] = steps_after["gc_seconds"] - steps_before["gc_seconds"]
+        if steps_after["forward_seconds"] is not None and steps_before["forward_seconds"] is not None:
+            forward = zip(steps_before["forward_seconds"], steps_after["forward_seconds"])
+            summary["engine_forward_s"] = dict(zip(STEP_KINDS, (b - a for a, b in forward)))
     summary["client_cpu_busy"] = sum(cpu for *_, cpu in shares) / (duration * processes)
     busy = [(process_cpu_seconds(pid) - before) / duration for pid, before in zip(front_ends, server_cpu)
             if before is not None and process_cpu_seconds(pid) is not None]
@@ -269,6 +273,8 @@ def server_steps(url: str) -> dict[str, float] | None:
     if None in steps.values():
         return None
     steps["gc_seconds"] = metrics.get("nanovllm:engine_gc_seconds_total")
+    forward = [metrics.get(f'nanovllm:engine_forward_seconds_total{{kind="{kind}"}}') for kind in STEP_KINDS]
+    steps["forward_seconds"] = None if None in forward else forward
     return steps
 
 
@@ -381,6 +387,8 @@ def _offline_runs(llm, prompts, out_lens, loads: tuple[int, ...]) -> list[dict]:
                      "busy_processes": load,
                      "engine_steps": dict(zip(STEP_KINDS, (b - a for a, b in zip(before.steps, after.steps)))),
                      "engine_step_s": after.step_seconds - before.step_seconds,
+                     "engine_forward_s": dict(zip(STEP_KINDS, (b - a for a, b in zip(before.forward_seconds,
+                                                                                     after.forward_seconds)))),
                      "engine_gc_s": after.gc_seconds - before.gc_seconds})
     return runs
 
@@ -451,6 +459,10 @@ def _steps(run: dict) -> str:
                  f"({run['engine_step_s'] / count * 1e3:.2f} ms each)")
     if "engine_gc_s" in run:
         text += f", garbage collections {run['engine_gc_s'] * 1e3:.0f} ms"
+    forward = run.get("engine_forward_s")
+    if forward:
+        each = [forward[kind] / steps[kind] * 1e3 if steps.get(kind) else 0.0 for kind in forward]
+        text += f"; forward on the host ms per step {' / '.join(f'{ms:.2f}' for ms in each)}"
     return text
 
 

@@ -199,3 +199,17 @@ def test_stats_count_the_steps_by_the_planners_kind(tiny_llama, async_scheduling
         llm.step()
     counted = dict(zip(STEP_KINDS, llm.stats().steps))
     assert counted == planned and all(counted.values()), counted
+    # the host's time in each kind's forward passes (the whole pass on the CPU), within the steps' time
+    forward = llm.stats().forward_seconds
+    assert all(seconds > 0 for seconds in forward) and sum(forward) < llm.stats().step_seconds, forward
+
+
+def test_forward_seconds_count_steps_not_the_start_up(tiny_llama):
+    """stats().forward_seconds starts at zero after the engine's start-up and grows only in the kinds of steps that
+    run: a prompt of two tokens is prefilled in a prefill step and then decodes."""
+    llm = LLM(str(tiny_llama), kvcache_block_size=16, num_gpu_blocks=16, device="cpu")
+    assert llm.stats().forward_seconds == (0.0, 0.0, 0.0)
+    llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()
+    assert stats.steps == (2, 0, 1) and stats.forward_seconds[0] > 0 and stats.forward_seconds[2] > 0
+    assert stats.forward_seconds[1] == 0.0

@@ -275,6 +275,7 @@ def test_metrics_are_prometheus_text(server):
         "nanovllm:kv_blocks_used": "gauge", "nanovllm:kv_blocks_total": "gauge",
         "nanovllm:host_kv_bytes_read": "counter", "nanovllm:engine_steps": "counter",
         "nanovllm:engine_step_seconds": "counter", "nanovllm:engine_gc_seconds": "counter",
+        "nanovllm:engine_forward_seconds": "counter",
         "nanovllm:time_to_first_token_seconds": "histogram",
         "nanovllm:inter_token_latency_seconds": "histogram", "nanovllm:e2e_request_latency_seconds": "histogram",
         "nanovllm:request_queue_time_seconds": "histogram"}
@@ -298,6 +299,9 @@ def test_metrics_are_prometheus_text(server):
     # the chats' prompts prefilled and their second tokens decoded ("Hi" is one token: its one step a decode step)
     assert steps["prefill"] >= 2 and steps["decode"] >= 3, steps
     assert m["nanovllm:engine_step_seconds_total"] > 0
+    forward = {kind: m[f'nanovllm:engine_forward_seconds_total{{kind="{kind}"}}'] for kind in steps}
+    assert forward["prefill"] > 0 and forward["decode"] > 0
+    assert sum(forward.values()) < m["nanovllm:engine_step_seconds_total"]
 
 
 def test_unknown_fields_are_ignored_with_a_warning(server, client):

@@ -94,6 +94,9 @@ def test_bench_client_in_several_processes_counts_every_token(server):
     assert set(steps) == {"decode", "mixed", "prefill"} and sum(steps.values()) >= 6, steps
     assert 0 < result["engine_step_s"] < result["duration_s"]  # the engine's time in steps over the run
     assert 0 <= result["engine_gc_s"] < result["duration_s"]  # its process's garbage collections
+    forward = result["engine_forward_s"]  # host time in the steps' forward passes, by kind: each within the steps'
+    assert set(forward) == set(steps) and 0 < sum(forward.values()) < result["engine_step_s"], forward
+    assert all((seconds > 0) == (steps[kind] > 0) for kind, seconds in forward.items()), (forward, steps)
     # polled from /metrics while the run went on: a step is counted when it ends, so a tenth shorter than a CPU
     # step can hold more than its length; over the run they add up to the engine's step seconds
     busy = result["engine_busy_by_tenth"]

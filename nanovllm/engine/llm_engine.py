@@ -59,6 +59,9 @@ class EngineStats:
     steps: tuple[int, int, int] = (0, 0, 0)  # steps run so far by kind, STEP_KINDS' order (engine/step_plan.py)
     step_seconds: float = 0.0  # wall time spent in step() so far: with the run's length, how busy the loop kept it
     gc_seconds: float = 0.0  # wall time this process spent in cyclic garbage collections (gc_watch.watch(): else 0)
+    # host seconds in the steps' forward passes by kind: with CUDA, launching their kernels or replaying their graph
+    # (where it exceeds the device's time, the step is bound by the host)
+    forward_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 class StepFailed(RuntimeError):
@@ -219,7 +222,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
                            bm.num_blocks, bm.num_used_host_blocks, bm.num_host_blocks, self.scheduler.num_preemptions,
-                           tuple(self.runner.planner.steps), self._step_seconds, gc_watch.seconds())
+                           tuple(self.runner.planner.steps), self._step_seconds, gc_watch.seconds(),
+                           tuple(self.runner.worker.forward_seconds))
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -70,6 +70,7 @@ class StepPlan:
     # per sequence, its KV length once the tokens it is prefilling are all computed (the prompt's end, past
     # a chunk); None: each ends with this step (a decode step)
     prefill_ends: list[int] | None = None
+    kind: int = 0  # index in STEP_KINDS
 
     @property
     def has_host_blocks(self) -> bool:
@@ -97,10 +98,10 @@ class StepPlanner:
         sampling = [item for item in scheduled if item.samples]
         if len(sampling) == len(scheduled) and all(item.num_new_tokens == 1 for item in scheduled):
             plan = self._decode_plan(seqs, offloads)
-            self.steps[0] += 1
         else:
             plan = self._mixed_plan(scheduled, offloads)
-            self.steps[1 if any(item.num_new_tokens == 1 for item in sampling) else 2] += 1
+            plan.kind = 1 if any(item.num_new_tokens == 1 for item in sampling) else 2
+        self.steps[plan.kind] += 1
         plan.seq_ids = [s.seq_id for s in seqs]
         plan.sample_seq_ids = [item.seq.seq_id for item in sampling]
         plan.sample_params = [item.seq.params for item in sampling]

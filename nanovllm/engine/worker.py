@@ -7,6 +7,7 @@ samples. It never schedules: everything it needs arrives in the plan.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from nanovllm.engine.memory import (host_kv_bytes, kv_blocks_that_fit, readable_
 from nanovllm.engine.offload import offload_kv_access
 from nanovllm.engine.offload.host_pool import RING_SLOTS, HostKVPool, ring_blocks_for
 from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
-from nanovllm.engine.step_plan import StepPlan, WorkerLimits
+from nanovllm.engine.step_plan import STEP_KINDS, StepPlan, WorkerLimits
 from nanovllm.engine.step_stats import DeferredStats, SeqStepStats, StepStats, StepWork, resolved
 from nanovllm.engine.warm_up import compile_step_variants
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
@@ -82,8 +83,12 @@ class Worker:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs = self._capture_graphs()
+        # host seconds in steps' forward passes by kind (STEP_KINDS): on CUDA the time to launch their kernels or
+        # replay their graph (the device runs behind), the whole pass on the CPU; from after the start-up steps
+        self.forward_seconds = [0.0] * len(STEP_KINDS)
         if self.device.type == "cuda":
             compile_step_variants(self)
+        self.forward_seconds = [0.0] * len(STEP_KINDS)
 
     @property
     def limits(self) -> WorkerLimits:
@@ -181,7 +186,7 @@ class Worker:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
-        logits, prompt_logprobs, stats = self._logits(plan)
+        logits, prompt_logprobs, stats = self._timed_logits(plan)
         if logits is None or not self.tp.is_driver:
             return StepOutput({}, prompt_logprobs, resolved(stats))
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
@@ -194,7 +199,7 @@ class Worker:
         """Like execute() without logprobs, but nothing waits for the device: returns the sampled tokens
         on the device, also kept in last_tokens as the next step's inputs for placeholder ids, and the
         step's work (deferred where the device counts it)."""
-        logits, _, stats = self._logits(plan)
+        logits, _, stats = self._timed_logits(plan)
         if logits is None:
             return None, stats
         if self.tp.is_driver:
@@ -219,6 +224,13 @@ class Worker:
             self.graphs = None
             torch.cuda.empty_cache()
             self.graphs = self._capture_graphs()
+
+    def _timed_logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list], StepStats]:
+        start = time.perf_counter()
+        try:
+            return self._logits(plan)
+        finally:
+            self.forward_seconds[plan.kind] += time.perf_counter() - start
 
     def _logits(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, list], StepStats]:
         """The forward pass: logits of the sampling rows (None when no sequence samples this step), the

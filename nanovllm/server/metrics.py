@@ -34,6 +34,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._last_preemptions = 0
         self._last_steps = (0,) * len(STEP_KINDS)
+        self._last_forward_seconds = (0.0,) * len(STEP_KINDS)
         self._last_step_seconds = 0.0
         self._last_gc_seconds = 0.0
         self.running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
@@ -56,6 +57,9 @@ class ServerMetrics:
         self.host_bytes = self._counter("host_kv_bytes_read", "KV bytes copied from the host pool to the device.")
         self.steps = self._labelled(Counter, "engine_steps", "Engine steps by kind: decode rows only (run in CUDA "
                                     "graphs), mixed (prefill and decode rows), prefill rows only.", "kind", STEP_KINDS)
+        self.forward_seconds = self._labelled(Counter, "engine_forward_seconds", "Host time in the steps' forward "
+                                              "passes by step kind: with CUDA, launching their kernels or replaying "
+                                              "their graph.", "kind", STEP_KINDS)
         self.step_seconds = self._counter("engine_step_seconds", "Wall time the engine loop spent in steps "
                                           "(its busy time: the rest it waited for requests).")
         self.gc_seconds = self._counter("engine_gc_seconds", "Wall time the engine process spent in Python's cyclic "
@@ -99,6 +103,10 @@ class ServerMetrics:
             if now > before:
                 self.steps[kind].inc(now - before)
         self._last_steps = stats.steps
+        for kind, now, before in zip(STEP_KINDS, stats.forward_seconds, self._last_forward_seconds):
+            if now > before:
+                self.forward_seconds[kind].inc(now - before)
+        self._last_forward_seconds = stats.forward_seconds
         if stats.step_seconds > self._last_step_seconds:
             self.step_seconds.inc(stats.step_seconds - self._last_step_seconds)
             self._last_step_seconds = stats.step_seconds
