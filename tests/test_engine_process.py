@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
@@ -45,6 +46,7 @@ def test_outputs_on_cuda_equal_the_engine_in_this_process(tiny_llama):
     options = {**ENGINE, "device": "cuda"}
     engine = EngineProcess(str(tiny_llama), **options)
     try:
+        assert engine.torch_threads == 1  # intra_op_threads: no pool of CPU threads beside the front ends
         assert_outputs_equal_the_engine_in_this_process(tiny_llama, engine, options)
     finally:
         engine.stop(timeout=60)
@@ -81,6 +83,17 @@ def test_the_engine_process_freezes_its_start_up_heap(engine_process):
     """A full collection in a built engine's process walks ~450K objects (~0.5 s on the CPU VM): the engine process
     keeps them out of the collector's reach once started."""
     assert engine_process.frozen_objects > 50_000
+
+
+def test_the_engine_process_keeps_torch_threads_for_a_cpu_model_and_one_for_a_gpu_model(engine_process):
+    """A CPU model computes in the engine process with torch's threads; on a GPU one thread does the host's small ops,
+    and a pool of them would wait on each other beside the busy front ends (intra_op_threads), unless the user set
+    OMP_NUM_THREADS."""
+    from nanovllm.server.engine_core import intra_op_threads
+
+    assert engine_process.torch_threads == torch.get_num_threads()
+    assert intra_op_threads("cuda", {}) == 1
+    assert intra_op_threads("cuda", {"OMP_NUM_THREADS": "4"}) is None and intra_op_threads("cpu", {}) is None
 
 
 def test_limits_are_checked_on_the_server_side(engine_process):
@@ -269,7 +282,7 @@ def test_outputs_through_the_pipe_equal_the_loop_in_this_process(tiny_llama, asy
             front_ends = _FrontEnds([sent])
             bm = llm.block_manager
             client = CoreClient((None, received), CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks,
-                                                                                    bm.block_size), llm.stats(), 0))
+                                                                                    bm.block_size), llm.stats(), 0, 1))
             loop = EngineLoop(llm, front_ends, build_outputs=False)
         else:
             loop = EngineLoop(llm, steps)
@@ -351,7 +364,7 @@ def test_commands_to_an_engine_slow_to_read_never_stall_the_front_end(tiny_llama
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", kvcache_block_size=16, num_gpu_blocks=64)
     bm = llm.block_manager
     reader, writer = Pipe(duplex=False)
-    start = CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks, bm.block_size), llm.stats(), 0)
+    start = CoreStart(llm.config, PoolLimits(bm.num_blocks, bm.num_host_blocks, bm.block_size), llm.stats(), 0, 1)
     client = CoreClient((writer, None), start)
     params = SamplingParams(max_tokens=2)
     prompt = list(range(30_000))  # ~60 KB pickled: a few of them fill the pipe

@@ -26,6 +26,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nanovllm.config import EngineConfig
 from nanovllm.engine import gc_watch
 from nanovllm.engine.llm_engine import EngineStats, LLMEngine
@@ -58,6 +60,7 @@ class CoreStart:
     pool: PoolLimits
     stats: EngineStats
     frozen_objects: int  # the start-up heap kept out of the garbage collector's reach (gc_watch)
+    torch_threads: int  # torch's CPU threads in the engine process (intra_op_threads)
 
 
 Link = tuple[Connection, Connection]  # a front end's (commands it sends, events it receives)
@@ -120,6 +123,7 @@ class CoreClient:
         self.block_manager = start.pool
         self._stats: EngineStats = start.stats
         self.frozen_objects = start.frozen_objects
+        self.torch_threads = start.torch_threads
         self.tokenizer = load_tokenizer(Path(self.config.model_path))
 
     def stats(self) -> EngineStats:
@@ -542,11 +546,14 @@ def _engine_process_main(model: str | None, options: dict, log_requests: bool, l
         first_events.send(("start_failed", e if type(e) in (ValueError, TypeError, FileNotFoundError) else
                            RuntimeError(f"the engine could not start: {e!r}")))
         return
+    threads = intra_op_threads(engine.runner.worker.device.type, os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
     frozen = gc_watch.freeze_start_up_heap()
     gc_watch.watch()
     bm = engine.block_manager
     first_events.send(("started", CoreStart(engine.config, PoolLimits(bm.num_blocks, bm.num_host_blocks, bm.block_size),
-                                            engine.stats(), frozen)))
+                                            engine.stats(), frozen, torch.get_num_threads())))
     front_ends = _FrontEnds([events for _, events in links])
     loop = EngineLoop(engine, front_ends, build_outputs=False)
     commands = {connection: sink for (connection, _), sink in zip(links, front_ends.sinks)}
@@ -557,6 +564,18 @@ def _engine_process_main(model: str | None, options: dict, log_requests: bool, l
     engine.shutdown()
     if loop.failed:  # the parent of several front ends reads the exit status (api_servers.Supervisor)
         sys.exit(1)
+
+
+def intra_op_threads(device_type: str, environ) -> int | None:
+    """torch's CPU threads for the engine process: one where the model runs on a GPU and the user set no
+    OMP_NUM_THREADS (as vLLM's worker processes). Its host ops are small there, and a pool of threads (one per
+    core) waits at each parallel region for any thread that lost its core to the front ends' and clients'
+    processes: on the CPU, with the kernels stubbed out, the engine loop's forward passes took 2x the offline
+    engine's host time with two threads and the same with one (docs/BENCHMARKS.md). None: leave torch's default
+    (a CPU model needs its threads for its compute)."""
+    if device_type != "cuda" or "OMP_NUM_THREADS" in environ:
+        return None
+    return 1
 
 
 def _receive_commands(commands: dict[Connection, _PipeEvents], front_ends: _FrontEnds, loop: EngineLoop) -> None:
