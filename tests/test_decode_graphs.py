@@ -7,7 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets, fill_tables
+import torch
+
+from nanovllm.engine.cuda_graph import DecodeGraphs, batch_buckets
+from nanovllm.host_arrays import fill_tables, list_to_device, tables_to_device
 
 
 def test_fill_tables_equals_row_by_row():
@@ -19,6 +22,21 @@ def test_fill_tables_equals_row_by_row():
     for row, table in zip(want, tables):
         row[: len(table)] = table
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_lists_to_device_equal_torch_tensor(dtype):
+    """A step's lists through numpy: the tensors torch.tensor makes of them (values, dtype, shape), empty ones too;
+    tables of different lengths padded."""
+    rng = random.Random(1)
+    values = [rng.randint(0, 2**31 - 1 if dtype != torch.float32 else 999) for _ in range(1000)]
+    for given in (values, [], values[:1]):
+        got = list_to_device(given, dtype, torch.device("cpu"))
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(given, dtype=dtype))
+    tables = [[rng.randint(0, 9999) for _ in range(n)] for n in (3, 0, 7, 1)]
+    want = torch.tensor([t + [-1] * (7 - len(t)) for t in tables], dtype=torch.int64)
+    assert torch.equal(tables_to_device(tables, -1, torch.device("cpu")), want)
+    assert tables_to_device([], -1, torch.device("cpu")).shape == (0, 0)
 
 
 def test_batch_buckets_cover_every_batch_size():

@@ -7,7 +7,6 @@ Per-step inputs are copied into static tensors; nothing on the replay path waits
 from __future__ import annotations
 
 import gc
-import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from nanovllm.engine.graph_copies import GraphCopies
+from nanovllm.host_arrays import fill_tables
 from nanovllm.layers.attention import AttentionMetadata
 from nanovllm.layers.kv_access import KVAccess
 
@@ -22,14 +22,6 @@ from nanovllm.layers.kv_access import KVAccess
 def resolve_placeholders(ids: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
     """ids with each -(row + 1) replaced by last_tokens[row], on the device (no host sync)."""
     return torch.where(ids < 0, last_tokens[(-1 - ids).clamp(min=0)], ids)
-
-
-def fill_tables(dst: np.ndarray, tables: list[list[int]]) -> None:
-    """dst[i, :len(tables[i])] = tables[i] for every i, in a few vectorised numpy operations."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    dst[np.repeat(np.arange(len(tables)), lens), np.arange(flat.size) - starts] = flat
 
 
 def batch_buckets(max_batch: int) -> list[int]:

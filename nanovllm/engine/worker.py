@@ -27,6 +27,7 @@ from nanovllm.engine.offload.staged import StagedCopies, StagedKV, ring_tables
 from nanovllm.engine.step_plan import STEP_KINDS, StepPlan, WorkerLimits
 from nanovllm.engine.step_stats import DeferredStats, SeqStepStats, StepStats, StepWork, resolved
 from nanovllm.engine.warm_up import compile_step_variants
+from nanovllm.host_arrays import list_to_device
 from nanovllm.layers.attention import AttentionMetadata, get_attention_backend
 from nanovllm.layers.block_metadata import BlockKeyCopy
 from nanovllm.layers.block_selector import BlockSelector, DenseSelector, SparseStats
@@ -252,7 +253,7 @@ class Worker:
                 tables, mode = ring_tables(plan.block_tables, plan.on_host), "staged" if plan.staged_copies else "plain"
             logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, mode)
             return logits, {}, self.work.fixed(plan, self.selector.dense)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        as_tensor = lambda x: list_to_device(x, torch.int64, self.device)  # noqa: E731
         selector = self._step_selector(plan)
         sparse = None if selector.dense else SparseStats(len(plan.seq_lens))
         kv = self._kv_access(plan, selector, sparse)
@@ -279,7 +280,7 @@ class Worker:
             return self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables, plan.graph_batch, "narrowed")
         n = len(plan.input_ids)
         meta = self.backend.build_metadata([1] * n, plan.seq_lens, tables, plan.slots, self.block_size, self.device)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        as_tensor = lambda x: list_to_device(x, torch.int64, self.device)  # noqa: E731
         ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
         return self.model.compute_logits(self.model(ids, as_tensor(plan.positions), self.narrowed.kv(meta)))
 
@@ -305,7 +306,7 @@ class Worker:
         if plan.staged_copies is not None:
             self.staged.set_step(plan.staged_copies, plan.offloads)
             return StagedKV(self.kv_cache, self.backend, meta(ring_tables(plan.block_tables, plan.on_host)), self.staged)
-        slots = torch.tensor(plan.slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        slots = list_to_device(plan.slots, torch.int64, self.device)
         kv = offload_kv_access(self.host_pool, self.kv_cache, self.backend, plan, slots, selector, stats)
         kv.begin()
         return kv

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from nanovllm.host_arrays import list_to_device, tables_to_device
 from nanovllm.kernels.reference import HostKV, gather_tokens, merge_attention_states, paged_attention_reference
 
 
@@ -50,20 +51,16 @@ class AttentionBackend(ABC):
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [-1] * (max_blocks - len(t)) for t in block_tables]
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
+        cu = list(itertools.accumulate(query_lens, initial=0))
 
         return AttentionMetadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=block_tables,
-            slot_mapping=_to_device(slot_mapping, torch.int64, device),
-            cu_query_lens=_to_device(cu, torch.int32, device),
-            seq_lens_tensor=_to_device(seq_lens, torch.int32, device),
-            block_tables_tensor=_to_device(padded, torch.int64, device),
+            slot_mapping=list_to_device(slot_mapping, torch.int64, device),
+            cu_query_lens=list_to_device(cu, torch.int32, device),
+            seq_lens_tensor=list_to_device(seq_lens, torch.int32, device),
+            block_tables_tensor=tables_to_device(block_tables, -1, device),
             block_size=block_size,
         )
 
@@ -78,8 +75,9 @@ class AttentionBackend(ABC):
         same: the query offsets and the backend's plans (kernel work schedules) are then built once."""
         shared = {} if shared is None else shared
         if not shared:
-            shared["cu_query_lens"] = _to_device(list(itertools.accumulate(query_lens, initial=0)), torch.int32, device)
-            shared["slot_mapping"] = _to_device([], torch.int64, device)
+            cu = list(itertools.accumulate(query_lens, initial=0))
+            shared["cu_query_lens"] = list_to_device(cu, torch.int32, device)
+            shared["slot_mapping"] = list_to_device([], torch.int64, device)
             shared["plans"] = {}
         return AttentionMetadata(
             query_lens=query_lens, seq_lens=max_seq_lens or head_seq_lens.amax(-1).tolist(), block_tables=[],
@@ -121,10 +119,6 @@ class AttentionBackend(ABC):
         caches (KV history that precedes all of them), merged by log-sum-exp into out = (out, lse), the
         partial result over other keys (lse -inf where there is none). Rows of sequences with seq_len 0
         are left as they are."""
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

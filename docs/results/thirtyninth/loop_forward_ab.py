@@ -6,7 +6,8 @@ out (TRITON_INTERPRET=1): a forward pass costs the host what our own Python cost
 process's loop body (`EngineLoop` over `_FrontEnds`, its events written by their writer thread to a pipe that another
 process reads), alternating; the engine's forward_seconds per step kind tell the host's time in forward passes.
 
-    python docs/results/thirtyninth/loop_forward_ab.py [--rounds 3] [--requests 512]
+    python docs/results/thirtyninth/loop_forward_ab.py [--rounds 3] [--requests 512] [--threads 1] [--offline-only]
+    NANOVLLM_TREE=OTHER_TREE python docs/results/thirtyninth/loop_forward_ab.py ...   (another tree's package)
 """
 import argparse
 import json
@@ -24,7 +25,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 InterpretedFunction.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)  # launches cost nothing
 F.linear = lambda x, w, b=None: x.new_empty(*x.shape[:-1], w.shape[0])  # nor do the GEMMs: their dispatch only
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, os.environ.get("NANOVLLM_TREE", str(Path(__file__).resolve().parents[3])))  # a tree to time
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.step_plan import STEP_KINDS  # noqa: E402
 from nanovllm.server.engine_core import _FrontEnds  # noqa: E402
@@ -110,6 +111,7 @@ def main() -> None:
     ap.add_argument("--no-events", action="store_true", help="the loop's events go nowhere (no pipe, no threads)")
     ap.add_argument("--raw-reader", action="store_true", help="the reading process takes the bytes, unpickles nothing")
     ap.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: its default)")
+    ap.add_argument("--offline-only", action="store_true")
     args = ap.parse_args()
     if args.threads:
         import torch
@@ -124,7 +126,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     results = {"offline": [], "loop": []}
     for r in range(args.rounds):
-        for mode, run in (("offline", run_offline), ("loop", run_loop)):
+        for mode, run in (("offline", run_offline), ("loop", run_loop))[: 1 if args.offline_only else 2]:
             before = llm.stats()
             run(llm, requests(args.requests, r), params)
             after = llm.stats()
@@ -133,7 +135,7 @@ def main() -> None:
             results[mode].append([f / n * 1e3 if n else 0.0 for f, n in zip(forward, steps)])
             print(f"round {r} {mode:7s}: steps {steps}, forward ms per step "
                   + " / ".join(f"{ms:.2f}" for ms in results[mode][-1]), flush=True)
-    for mode, rows in results.items():
+    for mode, rows in ((m, r) for m, r in results.items() if r):
         med = [statistics.median(col) for col in zip(*rows)]
         print(f"{mode:7s} median forward ms per step " + ", ".join(f"{k} {m:.2f}" for k, m in zip(STEP_KINDS, med)))
 
