@@ -800,3 +800,14 @@ assert compiled.asm["cubin"]
 print("ok")
 """
     assert_runs_compiled(code, timeout=300)
+
+
+def test_host_launch_sizes_equal_tritons():
+    """The wrappers' grid and padding sizes (kernels/sizes.py) equal Triton's constexpr helpers they replace."""
+    triton = pytest.importorskip("triton")
+    from nanovllm.kernels.sizes import cdiv, next_power_of_2
+
+    for n in range(0, 2100):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d)

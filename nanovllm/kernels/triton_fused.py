@@ -16,6 +16,7 @@ import triton.language as tl
 
 from nanovllm.kernels import dependent_launch
 from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
+from nanovllm.kernels.sizes import cdiv, next_power_of_2
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -59,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     pdl = pdl and dependent_launch.supported(x.device)
     _rms_norm_kernel[(rows,)](
         x, res, out, res_out, weight, cols, eps, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), PDL=pdl, num_warps=_warps(cols),
+        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(cols), PDL=pdl, num_warps=_warps(cols),
         enable_fp_fusion=False, launch_pdl=pdl,
     )
     return (out, res_out) if residual is not None else out
@@ -84,9 +85,9 @@ def silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     rows, cols = gate_up.shape
     half = cols // 2
     out = torch.empty(rows, half, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(half))
+    block = min(1024, next_power_of_2(half))
     pdl = pdl and dependent_launch.supported(gate_up.device)
-    _silu_and_mul_kernel[(rows, triton.cdiv(half, block))](gate_up, out, half, gate_up.stride(0), out.stride(0),
+    _silu_and_mul_kernel[(rows, cdiv(half, block))](gate_up, out, half, gate_up.stride(0), out.stride(0),
                                                           BLOCK=block, PDL=pdl, num_warps=4, enable_fp_fusion=False,
                                                           launch_pdl=pdl)
     return out
@@ -177,8 +178,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     _qk_norm_rope_kernel[(tokens,)](
         q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos.stride(0), sin.stride(0), *store_args, NUM_Q_HEADS=num_q, NUM_K_HEADS=num_k, HEAD_DIM=head_dim,
-        HAS_NORM=has_norm, STORE=store is not None, Q_HEADS_PAD=triton.next_power_of_2(num_q),
-        K_HEADS_PAD=triton.next_power_of_2(num_k), PDL=pdl, num_warps=_warps(num_q * head_dim),
+        HAS_NORM=has_norm, STORE=store is not None, Q_HEADS_PAD=next_power_of_2(num_q),
+        K_HEADS_PAD=next_power_of_2(num_k), PDL=pdl, num_warps=_warps(num_q * head_dim),
         enable_fp_fusion=False, launch_pdl=pdl,
     )
     return q_out, k_out
@@ -225,7 +226,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(tokens,)](
         k, v, k_flat, v_flat, slots, num_heads, head_dim, slots.stride(0), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_flat.stride(0), k_flat.stride(1),
-        HEADS_PAD=triton.next_power_of_2(num_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        HEADS_PAD=next_power_of_2(num_heads), DIM_PAD=next_power_of_2(head_dim),
         num_warps=_warps(num_heads * head_dim),
     )
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from nanovllm.kernels import dependent_launch
 from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
+from nanovllm.kernels.sizes import cdiv, next_power_of_2
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -66,7 +67,7 @@ def _gemv_kernel(
 def gemv_tiles(n: int, k: int) -> tuple[int, int]:
     """(block_n, block_k) for a weight [n, k]: the H200 tune's best at Llama-3.1-8B's shapes (block_k 1024; 4
     columns a program where the output is wider than K (q/k/v), else 8 (o, down))."""
-    return (4 if n > k else 8), min(1024, triton.next_power_of_2(k))
+    return (4 if n > k else 8), min(1024, next_power_of_2(k))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
@@ -86,9 +87,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_n, block_k = block_n or default_n, block_k or default_k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = pdl and dependent_launch.supported(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m), PDL=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, ROWS=next_power_of_2(m), PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, launch_pdl=pdl,
     )
     return out

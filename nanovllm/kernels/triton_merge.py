@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.sizes import cdiv
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -58,7 +59,7 @@ def merge_two_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tens
     out = torch.empty(num_rows, num_heads, head_dim, dtype=out_a.dtype, device=out_a.device)
     lse = torch.empty(num_rows, num_heads, dtype=torch.float32, device=out_a.device)
     rows = max(1, 4096 // head_dim)
-    _merge_two_kernel[(triton.cdiv(num_rows, rows), num_heads)](
+    _merge_two_kernel[(cdiv(num_rows, rows), num_heads)](
         out_a, lse_a, out_b, lse_b, out, lse, num_rows,
         *out_a.stride()[:2], *lse_a.stride(), *out_b.stride()[:2], *lse_b.stride(), *out.stride()[:2], *lse.stride(),
         HEAD_DIM=head_dim, ROWS=rows, num_warps=4,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.sizes import next_power_of_2
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -69,7 +70,7 @@ def narrowed_tables(kept: torch.Tensor, ids: torch.Tensor, seq_lens: torch.Tenso
         NO_HOST if host_base is None else host_base, host_column,
         kept.stride(0), kept.stride(1), kept.stride(2), ids.stride(0), seq_lens.stride(0), num_columns.stride(0),
         tables.stride(0), tables.stride(1), lengths.stride(0), counts.stride(0),
-        HEADS_PAD=triton.next_power_of_2(heads), WIDTH_PAD=triton.next_power_of_2(width),
+        HEADS_PAD=next_power_of_2(heads), WIDTH_PAD=next_power_of_2(width),
         COUNT_HOST=host_base is not None, num_warps=4,
     )
     return tables, lengths

@@ -34,7 +34,6 @@ head_dim must be a power of two (16..256); block_size a multiple of 16.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +47,7 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
 from nanovllm.kernels import dependent_launch
 from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
 from nanovllm.kernels.reference import HostKV
+from nanovllm.kernels.sizes import next_power_of_2
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -544,7 +544,7 @@ def paged_decode_attention(
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0), *host_args,
         block_tables.stride(1) if per_head else 0, *_key_code_args(host_kv, k_cache),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
         ACCUMULATE=accumulate, HOST_KV=host_kv is not None, PER_HEAD=per_head,
         KEY_CODES=host_kv is not None and host_kv.key_codes is not None, PDL=pdl, num_warps=num_warps,

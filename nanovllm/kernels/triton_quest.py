@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.sizes import cdiv, next_power_of_2
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -96,9 +97,9 @@ def quest_block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, host
     width, per_block = tables.shape[1], block_size // page_size
     out = torch.empty(batch, num_kv_heads, width * (per_block if pages else 1), dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
-    group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
-    pages_pad = max(16, triton.next_power_of_2(per_block)) if use_dot else triton.next_power_of_2(per_block)
-    grid = (batch, num_kv_heads, triton.cdiv(width, blocks_per_program))
+    group_pad = max(16, next_power_of_2(group)) if use_dot else next_power_of_2(group)
+    pages_pad = max(16, next_power_of_2(per_block)) if use_dot else next_power_of_2(per_block)
+    grid = (batch, num_kv_heads, cdiv(width, blocks_per_program))
     _quest_scores_kernel[grid](
         q, lo, hi, tables, seq_lens, out, lo_delta, hi_delta, NO_SECOND_POOL if base is None else base, width,
         q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), tables.stride(0), out.stride(0), out.stride(1),
@@ -274,13 +275,13 @@ def _ordered_top_kernel(
 def ordered_top_chunk(max_columns: int) -> int:
     """Columns per pass of ordered_top_columns for rows of up to max_columns columns: the whole row up to
     MAX_ROW_IN_REGISTERS. A caller that passes this for every row compiles one variant (two past the cap)."""
-    return min(triton.next_power_of_2(max(max_columns, 256)), MAX_ROW_IN_REGISTERS)
+    return min(next_power_of_2(max(max_columns, 256)), MAX_ROW_IN_REGISTERS)
 
 
 def top_segment(num_columns: int, budget: int) -> int | None:
     """Columns per first-stage program of a two-stage top over rows num_columns wide (SEGMENT_MIN, at least
     SEGMENT_BUDGETS budgets; at least 4 segments a row); None: too short a row for two stages."""
-    segment = max(SEGMENT_MIN, triton.next_power_of_2(SEGMENT_BUDGETS * max(budget, 1)))
+    segment = max(SEGMENT_MIN, next_power_of_2(SEGMENT_BUDGETS * max(budget, 1)))
     return segment if budget > 0 and num_columns >= 4 * segment and segment <= MAX_ROW_IN_REGISTERS else None
 
 
@@ -310,7 +311,7 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
         raise ValueError(f"a two-stage top needs rows of at least {4 * SEGMENT_MIN} columns and {SEGMENT_BUDGETS} "
                          f"budgets' worth a segment; got {num_columns} columns, budget {budget}")
     if stages == 2:
-        segments = triton.cdiv(num_columns, segment)
+        segments = cdiv(num_columns, segment)
         cand_scores = torch.empty(batch, heads, segments * budget, dtype=torch.float32, device=scores.device)
         cand_cols = torch.empty(batch, heads, segments * budget, dtype=torch.int64, device=scores.device)
         _segment_top_kernel[(batch, heads, segments)](
@@ -318,7 +319,7 @@ def ordered_top_columns(scores: torch.Tensor, ends: torch.Tensor, sink: int, bud
             cand_scores.stride(0), cand_scores.stride(1), SINK=sink, RECENT=recent, SEGMENT=segment,
             num_warps=SEGMENT_WARPS,
         )
-        widest = triton.cdiv(max(max_columns or 0, num_columns), segment) * budget
+        widest = cdiv(max(max_columns or 0, num_columns), segment) * budget
         return _ordered_top(cand_scores, cand_cols, ends, sink, budget, recent, ordered_top_chunk(widest),
                             num_warps or CANDIDATE_TOP_WARPS)
     chunk = chunk or ordered_top_chunk(max(max_columns or 0, num_columns))
@@ -331,7 +332,7 @@ def _ordered_top(scores: torch.Tensor, cols: torch.Tensor | None, ends: torch.Te
     out = torch.empty(batch, heads, sink + budget + recent, dtype=torch.int64, device=scores.device)
     _ordered_top_kernel[(batch, heads)](
         scores, scores if cols is None else cols, ends, out, num_columns, budget, scores.stride(0), scores.stride(1),
-        out.stride(0), out.stride(1), SINK=sink, RECENT=recent, FIXED_PAD=triton.next_power_of_2(max(sink, recent, 1)),
+        out.stride(0), out.stride(1), SINK=sink, RECENT=recent, FIXED_PAD=next_power_of_2(max(sink, recent, 1)),
         CHUNK=chunk, IN_REGISTERS=chunk >= num_columns, CANDIDATES=cols is not None,
         num_warps=num_warps or max(4, min(16, chunk // 512)),
     )
@@ -433,14 +434,14 @@ def candidate_max_scores(q: torch.Tensor, keys: torch.Tensor, host_keys: torch.T
     group = num_heads // num_kv_heads
     out = torch.empty(batch, num_kv_heads, *([group] if head_lse else []), count, dtype=torch.float32,
                       device=q.device)
-    grid = (batch, num_kv_heads, triton.cdiv(max(count, 1), candidates_per_program))
+    grid = (batch, num_kv_heads, cdiv(max(count, 1), candidates_per_program))
     _candidate_max_kernel[grid](
         q, keys, tables, seq_lens, candidates, out, key_reads if key_reads is not None else out, host_delta,
         NO_SECOND_POOL if base is None else base, count, head_dim**-0.5,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
         candidates.stride(0), candidates.stride(1), out.stride(0), out.stride(1), out.stride(2) if head_lse else 0,
         key_reads.stride(0) if key_reads is not None else 0,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, COLUMN=column_size,
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, COLUMN=column_size,
         PER_BLOCK=block_size // column_size, BLOCK_SIZE=block_size, CANDIDATES=candidates_per_program,
         TOKENS=min(column_size, 16), COUNT_HOST=key_reads is not None and host_keys is not None, HEAD_LSE=head_lse,
         num_warps=num_warps,
@@ -561,12 +562,12 @@ def key_copy_scores(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     out = torch.empty(batch, num_kv_heads, width * (block_size // page_size if pages else 1), dtype=torch.float32,
                       device=q.device)
     group = num_heads // num_kv_heads
-    grid = (batch, num_kv_heads, triton.cdiv(width, blocks_per_program))
+    grid = (batch, num_kv_heads, cdiv(width, blocks_per_program))
     _key_copy_scores_kernel[grid](
         q, codes, scales, tables, seq_lens, out, codes_delta, scales_delta, NO_SECOND_POOL if base is None else base,
         width, q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
         tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_SIZE=block_size, TILE=tile, BLOCKS=blocks_per_program, PAGE_OUT=pages,
         IEEE=q.dtype == torch.float32, STAGES=num_stages, BITS=bits, num_warps=num_warps,
     )

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.sizes import cdiv, next_power_of_2
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -105,8 +106,8 @@ def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, gran
     rows = -(-(hi - lo) // granule)
     num_granules = -(-seq_len // granule)
     num_key_tiles = -(-seq_len // stride)
-    grid = (triton.cdiv(rows * tiles_per_granule, block_m), num_heads)
-    scratch_rows, key_blocks = grid[0] * block_m, triton.cdiv(num_key_tiles, block_n)
+    grid = (cdiv(rows * tiles_per_granule, block_m), num_heads)
+    scratch_rows, key_blocks = grid[0] * block_m, cdiv(num_key_tiles, block_n)
     out = torch.zeros(num_heads, rows, num_granules, dtype=torch.float32, device=q.device)
     part = torch.empty(num_heads, scratch_rows, key_blocks * (block_n // tiles_per_granule), dtype=torch.float32,
                        device=q.device)
@@ -115,7 +116,7 @@ def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, gran
         q, keys, out, part, running_max, seq_len, seq_len - n_q, lo // stride, rows * tiles_per_granule, num_granules,
         LOG2_E.value / (math.sqrt(head_dim) * stride), q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1),
-        GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
         TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
