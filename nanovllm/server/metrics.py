@@ -99,13 +99,9 @@ class ServerMetrics:
         if stats.num_preemptions > self._last_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
-        for kind, now, before in zip(STEP_KINDS, stats.steps, self._last_steps):
-            if now > before:
-                self.steps[kind].inc(now - before)
+        _add_by_kind(self.steps, stats.steps, self._last_steps)
         self._last_steps = stats.steps
-        for kind, now, before in zip(STEP_KINDS, stats.forward_seconds, self._last_forward_seconds):
-            if now > before:
-                self.forward_seconds[kind].inc(now - before)
+        _add_by_kind(self.forward_seconds, stats.forward_seconds, self._last_forward_seconds)
         self._last_forward_seconds = stats.forward_seconds
         if stats.step_seconds > self._last_step_seconds:
             self.step_seconds.inc(stats.step_seconds - self._last_step_seconds)
@@ -159,3 +155,10 @@ def parse_metrics(text: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
             values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return values
+
+
+def _add_by_kind(counters: dict, now: tuple, before: tuple) -> None:
+    """Each step kind's counter grows by what the engine's running total gained since `before`."""
+    for kind, total, last in zip(STEP_KINDS, now, before):
+        if total > last:
+            counters[kind].inc(total - last)
