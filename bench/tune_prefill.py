@@ -8,7 +8,7 @@ the prefix-free chunk.
     PYTHONPATH=. python3 bench/tune_prefill.py --xattention-contexts 131072 [--threshold 0.9]
     PYTHONPATH=. python3 bench/tune_prefill.py --xattention-contexts 131072 --block-m 128 256 --warps 8 --pack 0 1
 
---block-m / --block-n / --warps / --stages / --tma / --pack / --lazy replace that axis of the sweep (default: GRID; a
+--block-m / --block-n / --warps / --stages / --tma / --pack replace that axis of the sweep (default: GRID; a
 256-row query tile only when asked for).
 
 --xattention-contexts sweeps the same variants on the block-sparse prefill instead: one layer of XAttention over
@@ -16,8 +16,7 @@ bench/sparse.py's shaped inputs (its estimate and selection, then the kernel ove
 blocks), each variant against the default's output, the estimate's time taken off.
 
 Variants: pointer loads or tensor descriptors (TMA) for the K/V tiles; a program per query head or per KV head
-(pack_heads: its query heads' rows together, each K/V tile loaded once for them); the softmax's rescale on every
-tile or only where a row's maximum grows past a margin (lazy_rescale).
+(pack_heads: its query heads' rows together, each K/V tile loaded once for them).
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ from nanovllm.kernels import triton_paged_attention as ops
 
 HEADS, KV_HEADS, BLOCK = 32, 8, 256
 GRID = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), tma=(False, True),
-            pack_heads=(False, True), lazy_rescale=(False, True))
+            pack_heads=(False, True))
 
 
 def inputs(chunk: int, prefix: int, dim: int) -> tuple:
@@ -118,13 +117,11 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.9, help="XAttention's threshold for --xattention-contexts")
     for flag, key, choices in (("--block-m", "block_m", (64, 128, 256)), ("--block-n", "block_n", (32, 64, 128)),
                                ("--warps", "num_warps", (4, 8)), ("--stages", "num_stages", (2, 3, 4)),
-                               ("--tma", "tma", (0, 1)), ("--pack", "pack_heads", (0, 1)),
-                               ("--lazy", "lazy_rescale", (0, 1))):
+                               ("--tma", "tma", (0, 1)), ("--pack", "pack_heads", (0, 1))):
         ap.add_argument(flag, dest=key, nargs="+", type=int, choices=choices, help=f"the sweep's {key} values")
     args = ap.parse_args()
     grid = {key: tuple(getattr(args, key) or values) for key, values in GRID.items()}
-    for key in ("tma", "pack_heads", "lazy_rescale"):
-        grid[key] = tuple(bool(v) for v in grid[key])
+    grid["tma"], grid["pack_heads"] = (tuple(bool(v) for v in grid[k]) for k in ("tma", "pack_heads"))
     require_cuda()
     if args.xattention_contexts:
         save_results("tune_prefill_xattention",

@@ -340,22 +340,6 @@ def test_prefill_tile_shapes(ops, block_m, block_n, block_size, tma):
     assert_matches(got, paged_attention_reference(*b.args(0.125)), torch.float32)
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-def test_prefill_lazy_rescale_over_scores_that_grow_past_its_margin(ops, lazy, tma):
-    """Queries 6x the unit scale (scores spread over ~9 log2 units, so rows' maxima pass the lazy margin tile after
-    tile) on half the heads and 1/100 of it (no row ever passes it) on the other half: the kernel with the
-    running maximum moved only past the margin equals the reference as the eager one does."""
-    rng = random.Random(7)
-    query_lens, seq_lens = random_mixed_lens(rng, 4, 90, 300)
-    b = make_batch(query_lens, seq_lens, 2, 4, 64, 32, torch.float32, seed=11, q_scale=6.0)
-    b.q[:, ::2] *= 1 / 600
-    config = ops.PrefillConfig(32, 16, num_warps=4, num_stages=2, tma=tma, lazy_rescale=lazy)
-    schedule = ops.build_prefill_schedule(query_lens, 32, DEVICE, seq_lens)
-    got = ops.paged_prefill_attention(*b.args(0.125), schedule=schedule, config=config)
-    assert_matches(got, paged_attention_reference(*b.args(0.125)), torch.float32)
-
-
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "history"])
 def test_prefill_descriptors_with_per_head_tables_and_accumulation(ops, causal):
     """Tensor-descriptor K/V loads over per-KV-head tables, merged into a partial result; a cache the

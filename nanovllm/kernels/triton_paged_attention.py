@@ -67,8 +67,6 @@ SPLITS_PAD: tl.constexpr = tl.constexpr(MAX_SPLITS)  # the merge reads every spl
 # decode reading pinned host memory in place: bench/tune_host_decode.py on the H200 (80 / 160 16-token pages
 # per KV head, batch 1 and 4) had 16 splits fastest everywhere, 1.55x one tile per split (64) at 80 pages
 HOST_READ_SPLITS = 16
-# a prefill row's exponent reference moves only when a tile's maximum passes it by more than this (log2 units)
-LAZY_MARGIN: tl.constexpr = tl.constexpr(8.0)
 DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is present (interpreter)
 
 
@@ -81,7 +79,6 @@ def _attend_tiles(
     code_head_ptr, scale_head_ptr, stride_cb, stride_ct, stride_sb, stride_st,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, HOST_KV: tl.constexpr, KEY_CODES: tl.constexpr = False,
-    LAZY: tl.constexpr = False,
 ):
     """Online-softmax update of (acc, m_i, l_i) with KV tiles [tile_lo, tile_hi) of one sequence.
 
@@ -131,7 +128,7 @@ def _attend_tiles(
             qk = qk * tl.where(on_host, scales, 1.0)[None, :]
         if MASKED:
             qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION, LAZY)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION)
     return acc, m_i, l_i
 
 
@@ -139,7 +136,6 @@ def _attend_tiles(
 def _attend_tiles_tma(
     acc, m_i, l_i, q, q_pos, seq_len, k_desc, v_desc, table_ptr, head_col, tile_lo, tile_hi, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-    LAZY: tl.constexpr = False,
 ):
     """`_attend_tiles` of device-resident caches read through tensor descriptors (TMA on Hopper): the
     caches viewed as [blocks * BLOCK_SIZE, Hk * D], a tile at (block row, head_col). Rows past the end of
@@ -157,31 +153,15 @@ def _attend_tiles_tma(
             in_seq = k_pos < seq_len
             qk = tl.where((k_pos[None, :] <= q_pos[:, None]) & in_seq[None, :], qk, float("-inf"))
             v = tl.where(in_seq[:, None], v, 0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION, LAZY)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION: tl.constexpr, LAZY: tl.constexpr = False):
+def _online_softmax_step(acc, m_i, l_i, qk, v, qk_scale, PRECISION: tl.constexpr):
     """Fold one tile's raw scores q.k (masked ones -inf) and values v into the running (acc, m_i, l_i);
-    qk_scale (> 0) takes q.k to log2 units, applied in the exponent's fused multiply-add.
-    LAZY: the running maximum m_i (the exponents' reference) moves, and acc and l_i are rescaled, only when a row's
-    tile maximum exceeds it by more than LAZY_MARGIN; otherwise this tile's weights p stay <= 2**LAZY_MARGIN (exact
-    in float32 sums and in 16-bit p) and the [rows, head_dim] multiply of acc is skipped, as most tiles past the
-    first few of a row do."""
-    tile_max = tl.max(qk, 1) * qk_scale
-    if LAZY:
-        if tl.max((tile_max > m_i + LAZY_MARGIN).to(tl.int32), 0) > 0:
-            m_new = tl.maximum(m_i, tile_max)
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(qk * qk_scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        return acc, m_i, l_i
-    m_new = tl.maximum(m_i, tile_max)
+    qk_scale (> 0) takes q.k to log2 units, applied in the exponent's fused multiply-add."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -365,15 +345,13 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
     ACCUMULATE: tl.constexpr, PER_HEAD: tl.constexpr, TMA: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr,
-    LAZY: tl.constexpr,
 ):
     """PER_HEAD: each KV head has its own block table row and KV length (tables [B, Hk, max_blocks],
     seq_lens [B, Hk]): attention over a block-sparse selection, the dropped blocks preceding the queries.
     TMA: k_cache_ptr / v_cache_ptr are tensor descriptors of the caches viewed as [rows, Hk * D].
     PACK: a program serves a KV head's GROUP query heads, its BLOCK_M rows TILE = BLOCK_M // GROUP queries of
     each (row r: head r // TILE), so each K/V tile is loaded once for the group; else TILE = BLOCK_M queries of
-    one head. TILE is the schedule's query tile. LAZY: the softmax rescales only when a row's maximum grows by more
-    than LAZY_MARGIN (`_online_softmax_step`)."""
+    one head. TILE is the schedule's query tile."""
     work = tl.program_id(1)
     r = tl.arange(0, BLOCK_M)
     if PACK:
@@ -419,11 +397,11 @@ def _prefill_kernel(
     if TMA:
         acc, m_i, l_i = _attend_tiles_tma(
             acc, m_i, l_i, q, q_pos, seq_len, k_cache_ptr, v_cache_ptr, table, kv_head * HEAD_DIM, 0, full_tiles,
-            qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION, LAZY,
+            qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION,
         )
         acc, m_i, l_i = _attend_tiles_tma(
             acc, m_i, l_i, q, q_pos, seq_len, k_cache_ptr, v_cache_ptr, table, kv_head * HEAD_DIM, full_tiles,
-            all_tiles, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION, LAZY,
+            all_tiles, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION,
         )
     else:
         k_head = k_cache_ptr + kv_head * stride_kh
@@ -431,12 +409,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, 0, full_tiles, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, k_head, k_head, 0, 0, 0, 0,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, False, False, LAZY,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, PRECISION, False,
         )
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, full_tiles, all_tiles, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, 0, 0, 0, k_head, k_head, 0, 0, 0, 0,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, False, False, LAZY,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, PRECISION, False,
         )
     out, lse = _finish(acc, m_i, l_i)
     out_ptrs = out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
@@ -636,8 +614,6 @@ class PrefillConfig:
     # a program's rows are the block_m // group queries of each query head of one KV head: a K/V tile loaded once for
     # the group (where group is a power of two dividing block_m; else one head per program)
     pack_heads: bool = False
-    # the softmax's running maximum moved (and the accumulator rescaled) only when it grows by more than LAZY_MARGIN
-    lazy_rescale: bool = True
 
     def packs(self, group: int) -> bool:
         return self.pack_heads and 1 < group <= self.block_m and self.block_m % group == 0 and not group & (group - 1)
@@ -737,7 +713,7 @@ def paged_prefill_attention(
         num_kv_heads,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, PRECISION=_precision(q.dtype), CAUSAL=causal, ACCUMULATE=accumulate,
-        PER_HEAD=per_head, TMA=tma, PACK=pack, TILE=config.tile_queries(group), LAZY=config.lazy_rescale,
+        PER_HEAD=per_head, TMA=tma, PACK=pack, TILE=config.tile_queries(group),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
