@@ -712,8 +712,7 @@ def test_decode_kernel_with_per_head_tables(ops):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("merge_in_kernel", [False, True], ids=["merge-kernel", "last-split-merges"])
-def test_decode_merge_reads_only_the_splits_with_tiles(ops, monkeypatch, accumulate, merge_in_kernel):
+def test_decode_merge_reads_only_the_splits_with_tiles(ops, monkeypatch, accumulate):
     """Empty splits return at once and write nothing (a decode graph's split count follows max_model_len, not the
     step's lengths): whatever the partial buffers hold (NaN here), the merge reads only the splits with tiles, per
     KV head with its own length too."""
@@ -732,31 +731,8 @@ def test_decode_merge_reads_only_the_splits_with_tiles(ops, monkeypatch, accumul
     for splits in (7, 64):
         got = ops.paged_decode_attention(*args, num_splits=splits, block_n=16,
                                          out=None if out is None else tuple(t.clone() for t in out),
-                                         accumulate=accumulate, merge_in_kernel=merge_in_kernel)
+                                         accumulate=accumulate)
         assert_matches(got, want, torch.float32)
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_last_split_merge_leaves_its_counters_at_zero_and_keyless_heads_empty(ops, accumulate):
-    """The decode kernel's own merge (the last split with tiles of each sequence and KV head) over 1..64 splits, one
-    KV head of one row without keys: the same results as the merge kernel (that head 0 / -inf, or its partial result
-    unchanged under accumulation), and every arrival counter back at zero after each launch, for the next one."""
-    b = make_batch([1] * 3, [5, 70, 130], 2, 4, 32, 16, torch.float32, seed=21)
-    tables, lens = _per_head_selection(b, 2, seed=6)
-    lens[1, 0] = 0
-    args = (b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.3)
-    prior = (torch.randn_like(b.q), torch.randn(b.q.shape[:2], device=DEVICE)) if accumulate else None
-    for splits in (1, 3, 64):
-        got, want = (ops.paged_decode_attention(*args, num_splits=splits, block_n=16, accumulate=accumulate,
-                                                out=None if prior is None else tuple(t.clone() for t in prior),
-                                                merge_in_kernel=merged) for merged in (True, False))
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
-        assert not ops._arrival_counts(DEVICE, 1).any()
-    heads = slice(0, 4)  # row 1's first KV head's query heads
-    if accumulate:
-        torch.testing.assert_close(got[0][1, heads], prior[0][1, heads])
-    else:
-        assert not got[0][1, heads].any() and torch.isneginf(got[1][1, heads]).all()
 
 
 def test_triton_backend_with_per_head_metadata(ops):
@@ -789,8 +765,8 @@ def test_triton_backend_with_per_head_metadata(ops):
 def test_decode_kernel_with_key_codes_compiles_for_sm90_without_a_gpu():
     """The interpreter runs fp32 only: the decode kernel reading host keys from int8 codes, compiled for sm_90
     through Triton's own ptxas with bf16 queries on tensor cores (Llama-3.1-8B's shape: 4 query heads per KV head,
-    16-token pages; SmolLM2's: 3 per KV head, head_dim 64), split (empty splits returning at once; the last split
-    merging them, with accumulation) and direct; and the merge kernel of the splits with tiles."""
+    16-token pages; SmolLM2's: 3 per KV head, head_dim 64), split (empty splits returning at once) and direct; and
+    the merge of the splits with tiles."""
     pytest.importorskip("triton")
     code = """
 import triton
@@ -802,14 +778,11 @@ first_constexpr = names.index("GROUP")
 sig = {name: "i32" for name in names[:first_constexpr]}
 sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*fp32", lse_ptr="*fp32", cu_ptr="*i32",
            seq_lens_ptr="*i32", tables_ptr="*i64", seq_ids_ptr="*i32", qk_scale="fp32", host_k_delta="i64",
-           host_v_delta="i64", host_base="i64", codes_ptr="*i8", scales_ptr="*fp32", final_out_ptr="*bf16",
-           final_lse_ptr="*fp32", counts_ptr="*i32")
+           host_v_delta="i64", host_base="i64", codes_ptr="*i8", scales_ptr="*fp32")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
-for group, dim, direct, merge in [(4, 128, False, False), (4, 128, False, True), (4, 128, True, False),
-                                  (3, 64, False, True)]:
+for group, dim, direct in [(4, 128, False), (4, 128, True), (3, 64, False)]:
     consts = dict(GROUP=group, GROUP_PAD=16, BLOCK_SIZE=16, HEAD_DIM=dim, BLOCK_N=16, INDEXED=False, DIRECT=direct,
-                  PRECISION="tf32", ACCUMULATE=merge, HOST_KV=True, PER_HEAD=True, KEY_CODES=True, PDL=False,
-                  MERGE=merge)
+                  PRECISION="tf32", ACCUMULATE=False, HOST_KV=True, PER_HEAD=True, KEY_CODES=True, PDL=False)
     out = "*bf16" if direct else "*fp32"
     compiled = triton.compile(ASTSource(kernel, dict(sig, out_ptr=out), consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})

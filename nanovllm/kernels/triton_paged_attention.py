@@ -212,21 +212,16 @@ def _decode_kernel(
     num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, host_k_delta, host_v_delta,
     host_base, stride_bh, codes_ptr, scales_ptr, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
-    final_out_ptr, final_lse_ptr, counts_ptr, stride_ft, stride_fh, stride_gt, stride_gh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr, PER_HEAD: tl.constexpr, KEY_CODES: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
     DIRECT (one split): write the result at the token's row of out/lse (ACCUMULATE: merged by LSE with
     what the row holds), else partials at [i, head, split]. PER_HEAD: each KV head has its own block
     table row and KV length (tables [B, Hk, max_blocks], seq_lens [B, Hk]: block-sparse selections).
-    PDL: a dependent launch; every input may be a previous kernel's output, so it waits before any load.
-    MERGE (with splits): the last split of a (program, KV head) to finish merges the partials of those with tiles
-    into final_out / final_lse (`_merge_head_splits`), instead of a merge kernel: each split with tiles adds one to
-    the pair's arrival counter (counts_ptr, int32 zeros; the last one sets it back to zero) after its partials are
-    written; with no tiles at all, split 0 writes the empty result (out 0, lse -inf; nothing under ACCUMULATE)."""
+    PDL: a dependent launch; every input may be a previous kernel's output, so it waits before any load."""
     let_next_start(PDL)
     wait_for_previous(PDL)
     i = tl.program_id(0)
@@ -247,10 +242,6 @@ def _decode_kernel(
     lo = split * per_split
     if not DIRECT:
         if lo >= num_tiles:  # an empty split: the merge reads only those with tiles
-            if MERGE and not ACCUMULATE:
-                if num_tiles == 0 and split == 0:
-                    _store_empty(final_out_ptr, final_lse_ptr, row, kv_head, stride_ft, stride_fh, stride_gt,
-                                 stride_gh, GROUP, GROUP_PAD, HEAD_DIM)
             return
     hi = tl.minimum(lo + per_split, num_tiles)
     full_tiles = seq_len // BLOCK_N  # tiles without positions past the end
@@ -296,62 +287,6 @@ def _decode_kernel(
         out, lse = _merge_stored(out, lse, out_ptrs, lse_ptrs, head_mask)
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     tl.store(lse_ptrs, lse, mask=head_mask)
-    if MERGE and not DIRECT:
-        tl.debug_barrier()  # every thread's partials written before the counter's release
-        count_ptr = counts_ptr + i * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.cdiv(num_tiles, per_split) - 1:  # the last split with tiles: the others' partials are out
-            tl.store(count_ptr, 0)
-            tl.debug_barrier()
-            for g in tl.static_range(GROUP):
-                _merge_head_splits(out_ptr, lse_ptr, final_out_ptr, final_lse_ptr, dst, row, kv_head * GROUP + g,
-                                   tl.cdiv(num_tiles, per_split), stride_ot, stride_oh, stride_os, stride_lt,
-                                   stride_lh, stride_ft, stride_fh, stride_gt, stride_gh, HEAD_DIM, ACCUMULATE)
-
-
-@triton.jit
-def _store_empty(out_ptr, lse_ptr, row, kv_head, stride_ot, stride_oh, stride_lt, stride_lh,
-                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The result of rows that saw no key (out 0, lse -inf) for the GROUP query heads of kv_head at row."""
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_g
-    head_mask = offs_g < GROUP
-    zeros = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             zeros.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    tl.store(lse_ptr + row * stride_lt + heads * stride_lh, tl.full([GROUP_PAD], float("-inf"), tl.float32),
-             mask=head_mask)
-
-
-@triton.jit
-def _merge_head_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, i, row, head, with_tiles,
-                       stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt,
-                       stride_lh, HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """Log-sum-exp merge of one query head's partials [i, head, :with_tiles] (L2 reads: other programs wrote
-    them) into the token's row of out/lse (ACCUMULATE: also with what that row holds). No split with tiles: out 0,
-    lse -inf (ACCUMULATE: the row unchanged)."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < with_tiles
-    part_lse = tl.load(part_lse_ptr + i * stride_plt + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"),
-                       cache_modifier=".cg")
-    peak = tl.max(part_lse, 0)
-    peak = tl.where(peak == float("-inf"), 0.0, peak)  # a sequence without keys: all parts empty
-    weight = tl.exp(part_lse - peak)
-    total = tl.sum(weight, 0)
-    parts = tl.load(part_out_ptr + i * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    out_dst = out_ptr + row * stride_ot + head * stride_oh + offs_d
-    lse_dst = lse_ptr + row * stride_lt + head * stride_lh
-    lse = peak + tl.log(total)
-    if ACCUMULATE:
-        prev_out = tl.load(out_dst).to(tl.float32)
-        w_prev, w_new, lse = _lse_weights(tl.load(lse_dst), lse)
-        out = tl.where(w_prev > 0.0, prev_out * w_prev, 0.0) + tl.where(w_new > 0.0, out * w_new, 0.0)
-    tl.store(out_dst, out.to(out_ptr.dtype.element_ty))
-    tl.store(lse_dst, lse)
 
 
 # What locates a row's length (flat [B] or per KV head [B, Hk], the group, the tile) is not specialised on: every
@@ -380,9 +315,26 @@ def _merge_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + seq * stride_ns + (head // group) * stride_nh)  # per KV head: stride_nh 1
     num_tiles = tl.cdiv(seq_len, block_n)
     with_tiles = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))
-    _merge_head_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, i, row, head, with_tiles, stride_pt, stride_ph,
-                       stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh, HEAD_DIM,
-                       ACCUMULATE)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < with_tiles
+    part_lse = tl.load(part_lse_ptr + i * stride_plt + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
+    peak = tl.max(part_lse, 0)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)  # a sequence without keys: all parts empty
+    weight = tl.exp(part_lse - peak)
+    total = tl.sum(weight, 0)
+    parts = tl.load(part_out_ptr + i * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    out_dst = out_ptr + row * stride_ot + head * stride_oh + offs_d
+    lse_dst = lse_ptr + row * stride_lt + head * stride_lh
+    lse = peak + tl.log(total)
+    if ACCUMULATE:
+        prev_out = tl.load(out_dst).to(tl.float32)
+        w_prev, w_new, lse = _lse_weights(tl.load(lse_dst), lse)
+        out = tl.where(w_prev > 0.0, prev_out * w_prev, 0.0) + tl.where(w_new > 0.0, out * w_new, 0.0)
+    tl.store(out_dst, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_dst, lse)
 
 
 @triton.jit(do_not_specialize=["stride_lt", "stride_lh", "stride_bt", "stride_bh"])
@@ -545,7 +497,6 @@ def paged_decode_attention(
     accumulate: bool = False,
     host_kv: HostKV | None = None,
     pdl: bool = False,
-    merge_in_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new token per sequence (at row cu_query_lens[i]) over its paged KV.
 
@@ -557,8 +508,7 @@ def paged_decode_attention(
     log-sum-exp with the partial result already in out (lse -inf: none). host_kv: table entries
     >= host_kv.base name blocks of its host caches (pinned memory, read in place through unified
     addressing: no copy). pdl: the decode and merge kernels as dependent launches (kernels/dependent_launch.py) where
-    the device has them. merge_in_kernel: with splits, the last split of each (sequence, KV head) merges them
-    (`_decode_kernel`'s MERGE) instead of a merge kernel launched after it. Returns (out, lse)."""
+    the device has them. Returns (out, lse)."""
     _check(q, k_cache, v_cache)
     host_args = _host_kv_args(host_kv, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
@@ -588,22 +538,19 @@ def paged_decode_attention(
     ids = seq_ids if indexed else seq_lens  # an unused pointer when not indexed
     group = num_heads // num_kv_heads
     pdl = pdl and dependent_launch.supported(q.device)
-    merge = merge_in_kernel and num_splits > 1
-    counts = _arrival_counts(q.device, num_programs * num_kv_heads) if merge else seq_lens  # unused when not merging
     _decode_kernel[(num_programs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, cu_query_lens, seq_lens, block_tables, ids, scale * _LOG2E,
         num_splits, q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0), *host_args,
         block_tables.stride(1) if per_head else 0, *_key_code_args(host_kv, k_cache),
-        out, lse, counts, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
         ACCUMULATE=accumulate, HOST_KV=host_kv is not None, PER_HEAD=per_head,
-        KEY_CODES=host_kv is not None and host_kv.key_codes is not None, PDL=pdl, MERGE=merge, num_warps=num_warps,
+        KEY_CODES=host_kv is not None and host_kv.key_codes is not None, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=pdl,
     )
-    if num_splits > 1 and not merge:
+    if num_splits > 1:
         _merge_splits_kernel[(num_programs, num_heads)](
             part_out, part_lse, out, lse, cu_query_lens, ids, seq_lens, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -612,18 +559,6 @@ def paged_decode_attention(
             HEAD_DIM=head_dim, INDEXED=indexed, ACCUMULATE=accumulate, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out, lse
-
-
-# per device, the decode kernel's arrival counters (int32 zeros): every launch leaves them at zero, so one buffer
-# serves them all; an outgrown one stays alive, as CUDA graphs captured with it keep its address
-_ARRIVAL_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counts(device: torch.device, size: int) -> torch.Tensor:
-    held = _ARRIVAL_COUNTS.setdefault(device, [])
-    if not held or held[-1].numel() < size:
-        held.append(torch.zeros(max(size, 1 << 14), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def _check_per_head(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int) -> bool:
