@@ -86,7 +86,7 @@ def test_forced_blocks_through_the_kernel_equal_the_torch_path():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_columns", [256, 16])
+@pytest.mark.parametrize("block_columns", [1024, 256, 16])  # 1024: the default
 @pytest.mark.parametrize("heads, tiles, columns, lead, tiles_per_granule, spread",
                          [(3, 40, 100, 0, 4, 3), (2, 33, 77, 3, 8, 3), (4, 16, 300, 0, 16, 3), (1, 5, 9, 1, 2, 3),
                           (2, 24, 200, 0, 8, 300)])
