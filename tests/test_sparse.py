@@ -7,8 +7,10 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.kv_cache import PagedKVCache
+from nanovllm.engine.model_runner import _record_work
+from nanovllm.engine.step_stats import resolved
 from nanovllm.layers.block_metadata import BlockKeyBounds, BlockKeyCopy
-from nanovllm.layers.block_selector import SelectionInput
+from nanovllm.layers.block_selector import SelectionInput, visible_block_pairs
 from nanovllm.layers.quest import QuestSelector
 
 from conftest import DEVICES
@@ -1040,3 +1042,35 @@ def test_quest_rerank_in_the_engine_keeps_the_budget(tiny_llama, offload, score)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in reranked)
     assert plain_chosen and len(plain_chosen) == len(reranked_chosen)
     assert any(not torch.equal(a, b) for a, b in zip(plain_chosen, reranked_chosen))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_prompt_chunk_s_counts_are_read_once_the_next_step_is_launched(tiny_llama, async_scheduling):
+    """A chunk of a prompt samples no token: the counts its sparse layers made on the device are not read at the
+    chunk's end (on a GPU that waited for the whole step, the device idle until the next one was launched) but once
+    the next step is launched; each chunk's pairs are then counted once, and the request's densities equal those
+    of an engine that reads every step's counts at its end."""
+    options = dict(kvcache_block_size=BS, device="cpu", num_gpu_blocks=64, max_num_batched_tokens=64,
+                   sparse_policy="xattention", sparse_min_context=0, xattn_block_size=16, xattn_stride=4,
+                   xattn_threshold=0.5, async_scheduling=async_scheduling)
+    prompt, params = list(range(1, 200)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm = LLM(str(tiny_llama), **options)
+    layers, heads = llm.runner.kv_shape[0], llm.runner.kv_shape[2]
+    llm.add_request(prompt, params)
+    seq = llm.scheduler.waiting[0]
+    llm.step()  # the first 64 tokens: no token sampled
+    assert len(llm.runner._unread_work) == 1 and seq.prefill_blocks == [0, 0]
+    llm.step()  # the next chunk launched: the first one's pairs read
+    first = visible_block_pairs(0, 64 // BS) * layers * heads
+    assert seq.prefill_blocks[1] == first and 0 < seq.prefill_blocks[0] <= first
+    outputs = []
+    while llm.has_unfinished_requests():
+        outputs += llm.step()
+    assert not llm.runner._unread_work
+    assert seq.prefill_blocks[1] == visible_block_pairs(0, -(-len(prompt) // BS)) * layers * heads
+
+    at_once = LLM(str(tiny_llama), **options)
+    at_once.runner._record_or_defer = lambda scheduled, stats: _record_work(scheduled, resolved(stats))
+    want = at_once.generate([prompt], params, use_tqdm=False)[0]
+    final = [o for o in outputs if o.finished]
+    assert final and final[0].metrics.prefill_density == want.metrics.prefill_density < 1

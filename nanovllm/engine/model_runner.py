@@ -20,7 +20,7 @@ from nanovllm.distributed.executor import TensorParallelGroup
 from nanovllm.engine.scheduler import ScheduledSeq
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_plan import StepPlanner
-from nanovllm.engine.step_stats import SeqStepStats, resolved
+from nanovllm.engine.step_stats import DeferredStats, SeqStepStats, StepStats, resolved
 from nanovllm.engine.worker import Worker
 from nanovllm.layers.block_selector import BlockSelector
 
@@ -34,6 +34,8 @@ class ModelRunner:
             with self.tp_group.guard():
                 self.worker = Worker(config, model_dir, self.tp_group.tp)
         self.planner = StepPlanner(self.worker.limits)
+        # work of steps without tokens still counted on the device, read once a later step is launched
+        self._unread_work: list[tuple[list[ScheduledSeq], DeferredStats]] = []
         self.planner.dense_decode = self.worker.selector.dense_for_decode
         self.planner.narrowed_decode = self.worker.selector.narrowed_decode
 
@@ -100,7 +102,8 @@ class ModelRunner:
         for item in scheduled:
             if item.seq.seq_id in out.prompt_logprobs:
                 item.seq.prompt_logprobs.extend(out.prompt_logprobs[item.seq.seq_id])
-        _record_work(scheduled, out.stats)
+        self._record_unread_work()
+        self._record_or_defer(scheduled, out.stats)
         return out.sampled
 
     def launch(self, scheduled: list[ScheduledSeq], offloads: list[tuple[int, int]] = ()) -> PendingTokens:
@@ -110,8 +113,28 @@ class ModelRunner:
         plan = self.planner.plan(scheduled, offloads, launched=True)
         tokens, stats = self.worker.launch(plan) if self.tp_group is None else \
             self.tp_group.run(self.worker, "launch", plan)
-        seqs = [item.seq for item in scheduled if item.samples] if tokens is not None else []
+        self._record_unread_work()
+        if tokens is None:
+            self._record_or_defer(scheduled, stats)
+            return PendingTokens([], None, lambda: None)
+        seqs = [item.seq for item in scheduled if item.samples]
         return PendingTokens(seqs, tokens, lambda: _record_work(scheduled, resolved(stats)))
+
+    def _record_or_defer(self, scheduled: list[ScheduledSeq], stats: StepStats) -> None:
+        """A step's work added to its sequences now, or, still on the device, once a later step is launched
+        (`_record_unread_work`): a step without tokens (a prompt's chunk) then leaves the device busy with no
+        wait between it and the next. Every prompt's last step has tokens, so its work is complete with them."""
+        if isinstance(stats, DeferredStats):
+            self._unread_work.append((scheduled, stats))
+        else:
+            _record_work(scheduled, stats)
+
+    def _record_unread_work(self) -> None:
+        """The work of earlier steps deferred by `_record_or_defer`: their counts were queued before this step's
+        work, so reading them waits for that copy only."""
+        for scheduled, stats in self._unread_work:
+            _record_work(scheduled, stats.stats())
+        self._unread_work.clear()
 
 
 def _record_work(scheduled: list[ScheduledSeq], stats: dict[int, SeqStepStats]) -> None:

@@ -24,10 +24,11 @@ class SeqStepStats:
 
 class DeferredStats:
     """A step's work still being counted on the device (a narrowed decode step's counts per row, in a buffer
-    the next step reuses), copied to the host at construction without waiting (queued behind the forward
-    pass, before sampling); stats() waits for that copy only. A synchronous step reads it after its tokens,
-    when the copy is done (reading it before sampling cost a round trip and left the GPU idle while the
-    sampler was set up); a launched step (async scheduling) when its tokens arrive."""
+    the next step reuses; a sparse step's selections, SparseStats.device_counts), copied to the host at
+    construction without waiting (queued behind the forward pass, before sampling); stats() waits for that copy
+    only. A synchronous step reads it after its tokens, when the copy is done (reading it before sampling cost a
+    round trip and left the GPU idle while the sampler was set up); a launched step (async scheduling) when its
+    tokens arrive; a step without tokens once the next step is launched (ModelRunner._record_or_defer)."""
 
     def __init__(self, counts: torch.Tensor, to_stats: Callable[[list[list[int]]], dict[int, SeqStepStats]]):
         self._to_stats, self._stats, self._ready = to_stats, None, None

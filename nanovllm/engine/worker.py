@@ -8,6 +8,7 @@ samples. It never schedules: everything it needs arrives in the plan.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,8 @@ from nanovllm.models.loader import build_model
 class StepOutput:
     sampled: dict[int, tuple[int, dict[int, float] | None]]  # seq_id -> (token, logprobs)
     prompt_logprobs: dict[int, list[dict[int, float]]]  # seq_id -> entries for this step's prompt rows
-    stats: dict[int, SeqStepStats] = field(default_factory=dict)  # seq_id -> work, where there is any to report
+    # seq_id -> work, where there is any to report; deferred where the device counted it (read it with `resolved`)
+    stats: StepStats = field(default_factory=dict)
 
 
 DENSE = DenseSelector()
@@ -188,8 +190,10 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepOutput:
         """One forward pass and sampling, waiting for the tokens (with logprobs where asked)."""
         logits, prompt_logprobs, stats = self._timed_logits(plan)
-        if logits is None or not self.tp.is_driver:
+        if not self.tp.is_driver:
             return StepOutput({}, prompt_logprobs, resolved(stats))
+        if logits is None:  # no tokens to wait for: a count still on the device stays deferred
+            return StepOutput({}, prompt_logprobs, stats)
         generators = [self._generator(i, p) for i, p in zip(plan.sample_seq_ids, plan.sample_params)]
         out = sample(logits, plan.sample_params, generators, self.default_generator, plan.sample_history)
         return StepOutput({i: (t, lp) for i, t, lp in zip(plan.sample_seq_ids, out.token_ids, out.logprobs)},
@@ -260,15 +264,23 @@ class Worker:
         ids = resolve_placeholders(as_tensor(plan.input_ids), self.last_tokens)
         hidden = self.model(ids, as_tensor(plan.positions), kv)
         prompt_logprobs = self._prompt_logprobs(hidden, plan)
-        if sparse is not None and (in_place := sparse.resolve()):
-            self.host_pool.stats.h2d_bytes += in_place  # host KV the decode kernel read where it lies
-        if sparse is None or plan.staged_copies is not None:  # a staged step is dense: every host block copied
+        if sparse is None:
             stats = self.work.fixed(plan, self.selector.dense)
-        else:
-            stats = self.work.sparse(plan, sparse)
+        else:  # counted on the device: read after the step's tokens, or with the next step (no sync here)
+            counts = sparse.device_counts()
+            stats = DeferredStats(torch.cat(counts), lambda values: self._sparse_work(plan, sparse, iter(values))) \
+                if counts else self._sparse_work(plan, sparse, iter(()))
         if not plan.sample_rows:
             return None, prompt_logprobs, stats
         return self.model.compute_logits(hidden[as_tensor(plan.sample_rows)]), prompt_logprobs, stats
+
+    def _sparse_work(self, plan: StepPlan, sparse: SparseStats, values: Iterator[int]) -> dict[int, SeqStepStats]:
+        """A sparse step's work from its counts (values: those counted on the device, on the host now)."""
+        if in_place := sparse.resolve(values):
+            self.host_pool.stats.h2d_bytes += in_place  # host KV the decode kernel read where it lies
+        if plan.staged_copies is not None:  # a staged step is dense: every host block copied
+            return self.work.fixed(plan, self.selector.dense)
+        return self.work.sparse(plan, sparse)
 
     def _narrowed_logits(self, plan: StepPlan) -> torch.Tensor:
         """A decode step every row of which the selector narrows alike: in its graph when the graph was

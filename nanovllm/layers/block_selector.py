@@ -318,32 +318,48 @@ class SparseStats:
             self._key_reads = (torch.zeros(len(self.decode), dtype=torch.int64, device=device), bytes_per_pair)
         return self._key_reads[0]
 
-    def resolve(self) -> int:
-        """Add the device-side counts in (one sync, and one per part) and the parts' counts; returns the host
-        bytes they read in place."""
-        total = sum(self._add_part(rows, counts) for rows, counts in self._parts)
-        self._parts.clear()
+    def device_counts(self) -> list[torch.Tensor]:
+        """The counts still on the device, as flat int64 tensors in the order `resolve` reads them: the parts'
+        first, then the prefill and decode pairs attended, the decode selections' (kept, host) pairs, the host
+        key reads."""
+        counts = [t for _, part in self._parts for t in part.device_counts()]
         if self._attended:
-            for (counts, i, _), pairs in zip(self._attended, torch.stack([a for *_, a in self._attended]).tolist()):
-                counts[i][0] += pairs
-            self._attended.clear()
-        for counts, per_pair, per_block in self._on_device:
-            for i, (kept, host_pairs) in enumerate(counts.tolist()):
+            counts.append(torch.stack([a for *_, a in self._attended]))
+        counts += [kept_and_host.flatten() for kept_and_host, _, _ in self._on_device]
+        if self._key_reads is not None:
+            counts.append(self._key_reads[0])
+        return counts
+
+    def resolve(self, values: Iterator[int] | None = None) -> int:
+        """Add the device-side counts in, and the parts' counts; returns the host bytes they read in place.
+        values: those counts on the host, in `device_counts` order; None reads them here (one sync)."""
+        if values is None:
+            counts = self.device_counts()
+            values = iter(torch.cat(counts).tolist() if counts else [])
+        total = sum(self._add_part(rows, counts, values) for rows, counts in self._parts)
+        self._parts.clear()
+        for counts, i, _ in self._attended:
+            counts[i][0] += next(values)
+        self._attended.clear()
+        for kept_and_host, per_pair, per_block in self._on_device:
+            for i in range(kept_and_host.shape[0]):
+                kept, host_pairs = next(values), next(values)
                 self.decode[i][0] += kept if per_block == 1 else kept / per_block
                 self.host_bytes[i] += host_pairs * (per_pair // per_block)
                 total += host_pairs * (per_pair // per_block)
         self._on_device.clear()
         if self._key_reads is not None:
             pairs, per_pair = self._key_reads
-            for i, n in enumerate(pairs.tolist()):
+            for i in range(pairs.shape[0]):
+                n = next(values)
                 self.host_bytes[i] += n * per_pair
                 total += n * per_pair
             self._key_reads = None
         return total
 
-    def _add_part(self, rows: list[int], counts: SparseStats) -> int:
+    def _add_part(self, rows: list[int], counts: SparseStats, values: Iterator[int]) -> int:
         """A part's counts added to its sequences' (resolved first); returns the host bytes it read in place."""
-        in_place = counts.resolve()
+        in_place = counts.resolve(values)
         for i, row in enumerate(rows):
             for mine, theirs in ((self.prefill, counts.prefill), (self.decode, counts.decode)):
                 mine[row][0] += theirs[i][0]
