@@ -4,21 +4,14 @@ ms per call and the bytes of its two reads per second, each variant checked agai
 
     python3 docs/results/fortieth/sums_tune.py
 """
+import sys
+from pathlib import Path
+
 import torch
 
-from nanovllm.kernels.triton_xattention import softmax_granule_sums
-
-
-def ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+from common import cuda_ms as ms  # noqa: E402
+from nanovllm.kernels.triton_xattention import softmax_granule_sums  # noqa: E402
 
 
 for keys in (32768, 131072):
