@@ -30,7 +30,7 @@ class DeferredStats:
     round trip and left the GPU idle while the sampler was set up); a launched step (async scheduling) when its
     tokens arrive; a step without tokens once the next step is launched (ModelRunner._record_or_defer)."""
 
-    def __init__(self, counts: torch.Tensor, to_stats: Callable[[list[list[int]]], dict[int, SeqStepStats]]):
+    def __init__(self, counts: torch.Tensor, to_stats: Callable[[list], dict[int, SeqStepStats]]):
         self._to_stats, self._stats, self._ready = to_stats, None, None
         if counts.is_cuda:
             self._counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
