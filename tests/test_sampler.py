@@ -96,6 +96,32 @@ def test_fused_sampler_is_deterministic_per_seed(fused):
                                        torch.arange(50, device=device)).tolist())) > 30
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_fused_sampler_tokens_do_not_depend_on_the_vocabulary_splits(fused, splits):
+    """Each entry's noise is drawn at its own index, and the splits' maxima reduce to the first maximum: the same
+    tokens whatever the number of programs per row (greedy and sampled rows, ties within and across splits, a
+    vocabulary that is not a multiple of the chunk)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device).manual_seed(splits)
+    logits = torch.randn(6, 1000, device=device, generator=g) * 3
+    logits[0, [5, 700]] = 50.0  # a greedy tie across splits: the first wins
+    logits[1, [300, 301]] = 50.0
+    temps = torch.tensor([0.0, 0.0, 0.5, 1.0, 1.5, 0.9], device=device)
+    seeds = torch.tensor([3, 4, 5, 6, 7, 8], device=device)
+    want = fused.sample_tokens(logits, temps, seeds, chunk=64, splits=1)
+    assert want[:2].tolist() == [5, 300] == logits[:2].argmax(-1).tolist()
+    assert fused.sample_tokens(logits, temps, seeds, chunk=64, splits=splits).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("batch, vocab, chunk, sms", [(1, 151936, 2048, 132), (16, 151936, 2048, 132),
+                                                      (256, 151936, 2048, 132), (512, 151936, 2048, 132),
+                                                      (3, 150, 128, 132), (1, 49152, 2048, 8)])
+def test_vocab_splits_cover_the_vocabulary_in_whole_chunks_without_an_empty_split(fused, batch, vocab, chunk, sms):
+    splits, per_split = fused.vocab_splits(batch, vocab, chunk, sms)
+    assert per_split % chunk == 0 and (splits - 1) * per_split < vocab <= splits * per_split
+    assert splits == 1 or batch * (splits - 1) < fused.PROGRAMS_PER_SM * sms  # no more programs than asked for
+
+
 # ---------------------------------------------------------------------------------------------
 # Logit adjustments (logit_bias, min_tokens, penalties) against a per-token PyTorch reference
 

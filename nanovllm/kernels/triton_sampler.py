@@ -1,38 +1,52 @@
 """Temperature sampling in one read of the logits (Triton).
 
-Each program takes one row: it streams the vocabulary in chunks and keeps the running argmax of
-logits / T + Gumbel noise, the noise drawn in the kernel from Philox (`tl.rand`) with the row's seed.
-argmax(x / T + G) with G = -log(-log U) picks token i with probability softmax(x / T)_i, the same
-distribution as `layers.sampler`'s exponential race; rows with T = 0 take the plain argmax (the first
-maximum, as torch.argmax). The PyTorch sampler is the reference; this replaces its four or five passes
-over [B, V] float32 (scale, noise, log, subtract, argmax) on large decode batches.
+A row's vocabulary is cut into `splits` ranges of whole chunks, one program each (enough programs to fill the GPU
+at any batch: one per row left small batches a few programs streaming 150K entries each). A program streams its
+range in chunks and keeps the running argmax of logits / T + Gumbel noise, the noise drawn in the kernel from
+Philox (`tl.rand`) with the row's seed at each entry's index, so the draw does not depend on the split; the
+splits' maxima are then reduced on the host's stream (the first maximum wins). argmax(x / T + G) with
+G = -log(-log U) picks token i with probability softmax(x / T)_i, the same distribution as `layers.sampler`'s
+exponential race; rows with T = 0 take the plain argmax (the first maximum, as torch.argmax). The PyTorch sampler
+is the reference; this replaces its four or five passes over [B, V] float32 (scale, noise, log, subtract,
+argmax) on large decode batches.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.sizes import cdiv
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
 
 CHUNK = 2048
+PROGRAMS_PER_SM = 4  # a launch aims for this many programs per SM, vocabulary ranges of whole chunks permitting
+DEFAULT_NUM_SMS = 132  # H100/H200; used without a CUDA device (interpreter)
 
 
-@triton.jit
-def _sample_kernel(logits_ptr, temps_ptr, seeds_ptr, out_ptr, vocab, stride, CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["per_split"])
+def _sample_kernel(logits_ptr, temps_ptr, seeds_ptr, values_ptr, indices_ptr, vocab, stride, per_split,
+                   CHUNK: tl.constexpr):
+    """Program (row, split): the maximum of the row's entries [split * per_split, +per_split) and its first index
+    into values / indices [rows, splits]."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
     sampled = temp > 0.0
     scale = 1.0 / tl.where(sampled, temp, 1.0)
     seed = tl.load(seeds_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, vocab)
     best = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
     best_idx = tl.zeros([CHUNK], dtype=tl.int32)
-    for start in range(0, vocab, CHUNK):
+    for start in range(lo, hi, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        mask = offs < vocab
+        mask = offs < hi
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
         u = tl.rand(seed, offs)
         u = tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)  # -log(-log u) finite
@@ -43,17 +57,43 @@ def _sample_kernel(logits_ptr, temps_ptr, seeds_ptr, out_ptr, vocab, stride, CHU
     top = tl.max(best, 0)
     # the smallest index among lanes holding the maximum
     idx = tl.min(tl.where(best == top, best_idx, vocab), 0)
-    tl.store(out_ptr + row, idx)
+    out = row * tl.num_programs(1) + split
+    tl.store(values_ptr + out, top)
+    tl.store(indices_ptr + out, idx)
 
 
-def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk: int = CHUNK
-                  ) -> torch.Tensor:
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
+
+
+def vocab_splits(batch: int, vocab: int, chunk: int, num_sms: int) -> tuple[int, int]:
+    """(splits, entries per split, a multiple of chunk): PROGRAMS_PER_SM programs per SM over the batch, at most
+    one chunk of the vocabulary each, no split empty."""
+    splits = max(1, min(cdiv(vocab, chunk), cdiv(PROGRAMS_PER_SM * num_sms, max(batch, 1))))
+    per_split = cdiv(cdiv(vocab, splits), chunk) * chunk
+    return cdiv(vocab, per_split), per_split
+
+
+def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk: int = CHUNK,
+                  splits: int | None = None) -> torch.Tensor:
     """logits [B, V] (float32 or 16-bit); temperatures float32 [B] (0: greedy); seeds int64 [B] (Philox
-    keys, non-negative); chunk: vocabulary entries per loop iteration (a power of two). Returns int64 [B]."""
+    keys, non-negative); chunk: vocabulary entries per loop iteration (a power of two); splits: programs per
+    row (default `vocab_splits`; the tokens do not depend on it). Returns int64 [B]."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("logits must be [B, V] with contiguous rows")
     batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int32, device=logits.device)
-    if batch:
-        _sample_kernel[(batch,)](logits, temperatures, seeds, out, vocab, logits.stride(0), CHUNK=chunk, num_warps=8)
-    return out.long()
+    if not batch:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    if splits is None:
+        splits, per_split = vocab_splits(batch, vocab, chunk, _num_sms(logits.device))
+    else:
+        per_split = cdiv(cdiv(vocab, splits), chunk) * chunk
+        splits = cdiv(vocab, per_split)
+    values = torch.empty(batch, splits, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(batch, splits, dtype=torch.int32, device=logits.device)
+    _sample_kernel[(batch, splits)](logits, temperatures, seeds, values, indices, vocab, logits.stride(0),
+                                    per_split, CHUNK=chunk, num_warps=8)
+    if splits == 1:
+        return indices[:, 0].long()
+    return indices.gather(1, values.argmax(1, keepdim=True))[:, 0].long()  # argmax: the first maximum
