@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
 from nanovllm.kernels import dependent_launch
 from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
 from nanovllm.kernels.reference import HostKV
-from nanovllm.kernels.sizes import next_power_of_2
+from nanovllm.kernels.sizes import next_power_of_2, num_sms
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -67,7 +67,6 @@ SPLITS_PAD: tl.constexpr = tl.constexpr(MAX_SPLITS)  # the merge reads every spl
 # decode reading pinned host memory in place: bench/tune_host_decode.py on the H200 (80 / 160 16-token pages
 # per KV head, batch 1 and 4) had 16 splits fastest everywhere, 1.55x one tile per split (64) at 80 pages
 HOST_READ_SPLITS = 16
-DEFAULT_NUM_SMS = 132  # H100/H200; used when no CUDA device is present (interpreter)
 
 
 
@@ -439,13 +438,6 @@ def kv_tile_size(block_size: int, cap: int) -> int:
     return tile
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
     """Splits per (sequence, KV head): one from ONE_SPLIT_WAVES waves of programs, else enough programs for WAVES
     per SM, each split >= MIN_TILES_PER_SPLIT tiles of a max_seq_len sequence. A function of shapes only (CUDA-graph
@@ -521,7 +513,7 @@ def paged_decode_attention(
         if host_kv is not None and host_kv.k.device.type == "cpu":
             num_splits = max(1, min(-(-bound // block_n), HOST_READ_SPLITS))
         else:
-            num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, _num_sms(q.device))
+            num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, num_sms(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} is outside 1..{MAX_SPLITS}")
     if accumulate and out is None:

@@ -12,20 +12,17 @@ argmax) on large decode batches.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.sizes import cdiv
+from nanovllm.kernels.sizes import cdiv, num_sms
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
 
 CHUNK = 2048
 PROGRAMS_PER_SM = 4  # a launch aims for this many programs per SM, vocabulary ranges of whole chunks permitting
-DEFAULT_NUM_SMS = 132  # H100/H200; used without a CUDA device (interpreter)
 
 
 @triton.jit(do_not_specialize=["per_split"])
@@ -62,15 +59,14 @@ def _sample_kernel(logits_ptr, temps_ptr, seeds_ptr, values_ptr, indices_ptr, vo
     tl.store(indices_ptr + out, idx)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
-
-
 def vocab_splits(batch: int, vocab: int, chunk: int, num_sms: int) -> tuple[int, int]:
     """(splits, entries per split, a multiple of chunk): PROGRAMS_PER_SM programs per SM over the batch, at most
     one chunk of the vocabulary each, no split empty."""
-    splits = max(1, min(cdiv(vocab, chunk), cdiv(PROGRAMS_PER_SM * num_sms, max(batch, 1))))
+    return _ranges(vocab, max(1, min(cdiv(vocab, chunk), cdiv(PROGRAMS_PER_SM * num_sms, max(batch, 1)))), chunk)
+
+
+def _ranges(vocab: int, splits: int, chunk: int) -> tuple[int, int]:
+    """(splits, entries per split): at most `splits` ranges of whole chunks covering the vocabulary, none empty."""
     per_split = cdiv(cdiv(vocab, splits), chunk) * chunk
     return cdiv(vocab, per_split), per_split
 
@@ -85,11 +81,8 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     batch, vocab = logits.shape
     if not batch:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    if splits is None:
-        splits, per_split = vocab_splits(batch, vocab, chunk, _num_sms(logits.device))
-    else:
-        per_split = cdiv(cdiv(vocab, splits), chunk) * chunk
-        splits = cdiv(vocab, per_split)
+    splits, per_split = vocab_splits(batch, vocab, chunk, num_sms(logits.device)) if splits is None else \
+        _ranges(vocab, splits, chunk)
     values = torch.empty(batch, splits, dtype=torch.float32, device=logits.device)
     indices = torch.empty(batch, splits, dtype=torch.int32, device=logits.device)
     _sample_kernel[(batch, splits)](logits, temperatures, seeds, values, indices, vocab, logits.stride(0),
