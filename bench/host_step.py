@@ -53,6 +53,7 @@ class InstantWorker:
         rng = random.Random(seed)
         self.pool = [rng.randrange(1000, vocab_size) for _ in range(4096)]  # drawn once: the harness costs ~nothing
         self.offset = 0
+        self.forward_seconds = [0.0] * len(STEP_KINDS)  # no forward pass: no host time in one
 
     def _tokens(self, n: int) -> list[int]:
         self.offset = (self.offset + 1) % (len(self.pool) - n) if n < len(self.pool) else 0

@@ -1,9 +1,10 @@
 """The one-pass Triton sampler (kernels/triton_sampler.py) per decode batch: its default launch (the vocabulary of a
 row split over several programs) against one program per row (the launch before 2026-12-05) in the same process,
-and both against the floor of reading the float32 logits once at the measured HBM copy rate. Temperature 0.6 on
-every row, as the throughput workload samples.
+and both against the floor of reading the logits once at the measured HBM copy rate. Temperature 0.6 on every
+row, as the throughput workload samples. --dtype bfloat16 (the model's logits as the engine now passes them) also
+times casting them to float32 first (what a decode graph did before 2026-12-05).
 
-    PYTHONPATH=. python3 bench/sampler.py [--batches 1 16 30 64 128 256] [--vocab 151936]
+    PYTHONPATH=. python3 bench/sampler.py [--batches 1 16 30 64 128 256] [--vocab 151936] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 30, 64, 128, 256])
     ap.add_argument("--vocab", type=int, default=151936, help="Qwen3's vocabulary by default")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     require_cuda()
     bandwidth = measure_hbm_bandwidth()
     log(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = []
     for batch in args.batches:
-        logits = torch.randn(batch, args.vocab, device="cuda")
+        logits = torch.randn(batch, args.vocab, device="cuda").to(dtype)
         temps = torch.full((batch,), 0.6, device="cuda")
         seeds = torch.arange(batch, device="cuda")
         split = triton_sampler.vocab_splits(batch, args.vocab, triton_sampler.CHUNK,
@@ -37,11 +40,17 @@ def main() -> None:
         new_ms = cuda_ms(lambda: triton_sampler.sample_tokens(logits, temps, seeds))
         old_ms = cuda_ms(lambda: triton_sampler.sample_tokens(logits, temps, seeds, splits=1))
         floor_ms = logits.nbytes / bandwidth * 1e3  # the copy rate counts every byte read or written
-        rows.append(dict(batch=batch, splits=split, ms=new_ms, one_program_per_row_ms=old_ms, floor_ms=floor_ms))
-        log(f"batch {batch:4d}: {split:3d} splits {new_ms * 1e3:7.1f} us, one program per row {old_ms * 1e3:7.1f} us "
-            f"({old_ms / new_ms:.2f}x); read floor {floor_ms * 1e3:6.1f} us ({new_ms / floor_ms:.1f}x / "
-            f"{old_ms / floor_ms:.1f}x the floor)")
-    save_results("sampler", {"vocab": args.vocab, "hbm_copy_bytes_per_s": bandwidth, "rows": rows})
+        row = dict(batch=batch, splits=split, ms=new_ms, one_program_per_row_ms=old_ms, floor_ms=floor_ms)
+        line = (f"batch {batch:4d}: {split:3d} splits {new_ms * 1e3:7.1f} us, one program per row {old_ms * 1e3:7.1f} "
+                f"us ({old_ms / new_ms:.2f}x); read floor {floor_ms * 1e3:6.1f} us ({new_ms / floor_ms:.1f}x / "
+                f"{old_ms / floor_ms:.1f}x the floor)")
+        if dtype != torch.float32:
+            row["cast_first_ms"] = cuda_ms(lambda: triton_sampler.sample_tokens(logits.float(), temps, seeds))
+            line += f"; cast to float32 first {row['cast_first_ms'] * 1e3:7.1f} us ({row['cast_first_ms'] / new_ms:.2f}x)"
+        rows.append(row)
+        log(line)
+    save_results(f"sampler_{args.dtype}", {"vocab": args.vocab, "dtype": args.dtype, "hbm_copy_bytes_per_s": bandwidth,
+                                           "rows": rows})
 
 
 if __name__ == "__main__":

@@ -64,12 +64,13 @@ def fused():
 
 
 def test_fused_sampler_frequencies_follow_probabilities(fused):
-    """Five likely tokens in a 150-token vocabulary streamed in two chunks, at temperature 0.8. The
-    interpreter affords few draws (a loose check); on CUDA 20,000 (within 4 standard deviations)."""
+    """Five likely tokens in a 150-token vocabulary streamed in two chunks, at temperature 0.8: four of them in one
+    lane of the first chunk (a quarter chunk apart: one Philox call draws their noise), the fifth in the second.
+    The interpreter affords few draws (a loose check); on CUDA 20,000 (within 4 standard deviations)."""
     cuda = torch.cuda.is_available()
     n, device = (20000, "cuda") if cuda else (500, "cpu")
     logits = torch.full((1, 150), -30.0, device=device)
-    logits[0, [0, 7, 70, 129, 149]] = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.5], device=device)
+    logits[0, [5, 37, 69, 101, 133]] = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.5], device=device)
     tokens = fused.sample_tokens(logits.repeat(n, 1), torch.full((n,), 0.8, device=device),
                                  torch.arange(n, device=device), chunk=128)
     freq = torch.bincount(tokens.cpu(), minlength=150).float() / n
@@ -83,6 +84,17 @@ def test_fused_sampler_greedy_rows_take_the_first_maximum(fused):
     temps = torch.tensor([0.0, 0.0, 0.7], device=device)
     tokens = fused.sample_tokens(logits, temps, torch.tensor([1, 2, 3], device=device))
     assert tokens[:2].tolist() == logits[:2].argmax(-1).tolist() == [logits[0].argmax().item(), 10]
+
+
+def test_fused_sampler_greedy_ties_within_a_chunk_take_the_first(fused):
+    """Ties in one lane a quarter chunk apart, and a later lane's earlier quarter against an earlier lane's later
+    one (chunk 64: a quarter is 16 entries)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(2, 200, device=device)
+    logits[0, [20, 36, 52]] = 100.0  # lane 4, quarters 1-3
+    logits[1, [49, 21]] = 100.0  # lane 1 quarter 3, lane 5 quarter 1
+    tokens = fused.sample_tokens(logits, torch.zeros(2, device=device), torch.tensor([1, 2], device=device), chunk=64)
+    assert tokens.tolist() == logits.argmax(-1).tolist() == [20, 21]
 
 
 def test_fused_sampler_is_deterministic_per_seed(fused):

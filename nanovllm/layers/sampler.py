@@ -69,7 +69,7 @@ def sample(
     default_generator: torch.Generator | None,
     history: list[RowHistory | None] | None = None,
 ) -> SamplerOutput:
-    """logits: [B, V] float32. Returns one token per row."""
+    """logits: [B, V] (any float dtype). Returns one token per row."""
     token_list = sample_on_device(logits, params, generators, default_generator, history).tolist()
     return SamplerOutput(token_list, _logprobs(logits, token_list, params))
 
@@ -82,11 +82,13 @@ def sample_on_device(
     history: list[RowHistory | None] | None = None,
 ) -> torch.Tensor:
     """The sampled tokens as an int64 tensor on logits' device, without waiting for the device.
-    history: per row, what penalties and min_tokens need (None for rows without them)."""
+    history: per row, what penalties and min_tokens need (None for rows without them). logits in any float
+    dtype: the Triton sampler reads 16-bit ones as they are, the other paths work on a float32 copy."""
     if any(p.adjusts_logits for p in params):
-        logits = adjust_logits(logits, params, history or [None] * len(params))
+        logits = adjust_logits(logits.float(), params, history or [None] * len(params))
     if _use_fused(logits, params):
         return _fused_sample(logits, params, generators, default_generator)
+    logits = logits.float()
     tokens = logits.argmax(dim=-1)
     if not all(p.greedy for p in params):
         greedy = _to(logits.device, [p.greedy for p in params])
@@ -208,7 +210,7 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingPara
 def logprob_entries(logits: torch.Tensor, tokens: list[int], top_n: int | list[int]) -> list[dict[int, float]]:
     """Per row: {token: logprob} of the given token first, then the row's top_n most likely tokens."""
     counts = top_n if isinstance(top_n, list) else [top_n] * len(tokens)
-    logp = logits.float().log_softmax(dim=-1)
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # no float32 copy of 16-bit logits first
     chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
     entries = [{t: c} for t, c in zip(tokens, chosen)]
     if max(counts, default=0):

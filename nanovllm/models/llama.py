@@ -178,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[rows, vocab] in the model's dtype, as HF's lm_head gives them; whoever needs float32 casts (exactly):
+        the Triton sampler reads 16-bit logits as they are, sparing a [B, V] float32 copy a decode step."""
+        return self.lm_head(hidden)
 
     def checkpoint_target(self, name: str) -> Placement:
         """Where a checkpoint tensor goes: the parameter, its first row, and with tensor parallelism the
