@@ -21,6 +21,11 @@ from nanovllm.kernels import triton_paged_attention as ops
 # launch ("engine") is the one the engine runs for that bench (its splits follow the tables' width).
 SHAPES = [
     ("qwen3-0.6b throughput", 256, (100, 1100), 16, 8, 2 * 1024 + 16),  # throughput.py
+    ("qwen3-0.6b throughput b113", 113, (700, 1700), 16, 8, 2 * 1024 + 16),  # its batch at step ~600
+    ("qwen3-0.6b throughput b64", 64, (800, 1800), 16, 8, 2 * 1024 + 16),  # its tail: one split from 30 rows
+    ("qwen3-0.6b throughput b48", 48, (900, 1900), 16, 8, 2 * 1024 + 16),
+    ("qwen3-0.6b throughput b30", 30, (1000, 2000), 16, 8, 2 * 1024 + 16),
+    ("qwen3-0.6b throughput b20", 20, (1100, 2000), 16, 8, 2 * 1024 + 16),
     ("llama-8b b1 1K", 1, (1024, 1024), 32, 8, 32768 + 64 + 16),  # latency.py
     ("llama-8b b1 32K", 1, (32768, 32768), 32, 8, 32768 + 64 + 16),
     ("llama-8b b32 1K", 32, (1024, 1024), 32, 8, 32768 + 64 + 16),

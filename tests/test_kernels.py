@@ -318,6 +318,32 @@ def test_decode_splits_including_empty_ones(ops, num_splits):
     assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=num_splits, block_n=16), want, torch.float32)
 
 
+def test_one_split_decode_takes_128_key_tiles(ops, monkeypatch):
+    """A launch of one split reads 128-key tiles where K rows are at most 256 bytes and the block holds them;
+    sequences ending inside, at and past a tile's end, with the default split rule and one split forced."""
+    assert ops.one_split_tile_size(torch.bfloat16, 128, 256) == 128
+    assert ops.one_split_tile_size(torch.float32, 64, 256) == 128
+    assert ops.one_split_tile_size(torch.float32, 128, 256) == 64  # 512-byte rows keep the usual tile
+    assert ops.one_split_tile_size(torch.bfloat16, 128, 64) == 64  # a tile stays inside a block
+    seen = []
+    kernel = ops._decode_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["BLOCK_N"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(ops, "_decode_kernel", Recording())
+    b = make_batch([1] * 5, [1, 127, 128, 129, 300], 1, 2, 64, 128, torch.float32, seed=3)
+    want = paged_attention_reference(*b.args(0.125))
+    assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=1), want, torch.float32)
+    assert_matches(ops.paged_decode_attention(*b.args(0.125)), want, torch.float32)  # 3 tiles of 128 keys: one split
+    assert_matches(ops.paged_decode_attention(*b.args(0.125), num_splits=2), want, torch.float32)
+    assert seen == [128, 128, 64]
+
+
 @pytest.mark.parametrize("num_splits", [17, 40, 64])
 def test_decode_merge_of_more_than_16_splits(ops, num_splits):
     """Rows of 1, 300 and 1,000 keys in 16-key tiles over 17 to 64 splits: the merge takes the long row's 17 to 63

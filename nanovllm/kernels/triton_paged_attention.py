@@ -19,7 +19,7 @@ Splits write float32 partials [B, Hq, S, D] / [B, Hq, S]; `_merge_splits_kernel`
 with tiles (their count follows from the length) by log-sum-exp into the token's row. With one split the kernel
 writes the final output directly. The number of splits depends only on shapes (batch, Hk, block_tables width *
 block_size, SM count), never on data, so the decode path never synchronises with the host and can be captured in a
-CUDA graph.
+CUDA graph. A launch of one split reads 128-key tiles where K rows allow (`one_split_tile_size`), else 64.
 With seq_ids, program i serves sequence seq_ids[i]: the one-token rows of a mixed batch.
 
 Prefill (any query lengths, with or without a cached prefix): grid (Hq, num_work). The host builds
@@ -507,13 +507,16 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     per_head = _check_per_head(block_tables, seq_lens, num_kv_heads)
     num_programs = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
-    block_n = block_n or decode_tile_size(q.dtype, head_dim, block_size)
+    tile = block_n or decode_tile_size(q.dtype, head_dim, block_size)
     if num_splits is None:
         bound = max_seq_len or block_tables.shape[-1] * block_size
         if host_kv is not None and host_kv.k.device.type == "cpu":
-            num_splits = max(1, min(-(-bound // block_n), HOST_READ_SPLITS))
+            num_splits = max(1, min(-(-bound // tile), HOST_READ_SPLITS))
         else:
-            num_splits = decode_num_splits(num_programs, num_kv_heads, bound, block_n, num_sms(q.device))
+            num_splits = decode_num_splits(num_programs, num_kv_heads, bound, tile, num_sms(q.device))
+    if block_n is None and num_splits == 1 and host_kv is None:
+        tile = one_split_tile_size(q.dtype, head_dim, block_size)
+    block_n = tile
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} is outside 1..{MAX_SPLITS}")
     if accumulate and out is None:
@@ -634,6 +637,17 @@ def decode_tile_size(dtype: torch.dtype, head_dim: int, block_size: int) -> int:
     return kv_tile_size(block_size, 64 if row_bytes <= 512 else 32)
 
 
+def one_split_tile_size(dtype: torch.dtype, head_dim: int, block_size: int) -> int:
+    """Keys per decode KV tile when each (sequence, KV head) is one program: 128 where a K row is at most 256 bytes
+    (16-bit, head_dim <= 128), else `decode_tile_size`. On the H200 (bench/tune_decode.py, graph replays,
+    2026-12-05) 128-key tiles at one split: the throughput workload's batch 256 161 vs 165 us, 113 147 vs 152, 48
+    75.8 vs 78.7, 30 54.5 vs 66.1 (its batch 64 91 us with 64-key tiles was the one shape they did not lead);
+    Llama-3.1-8B's batch 32 x 1K 37 vs 40 us."""
+    if head_dim * dtype.itemsize > 256:
+        return decode_tile_size(dtype, head_dim, block_size)
+    return kv_tile_size(block_size, 128)
+
+
 def build_prefill_schedule(
     query_lens: list[int],
     block_m: int,
@@ -734,5 +748,6 @@ def _cache_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
 
 __all__ = [
     "PrefillConfig", "build_prefill_schedule", "decode_num_splits", "decode_tile_size", "kv_tile_size",
+    "one_split_tile_size",
     "paged_decode_attention", "paged_prefill_attention", "prefill_config",
 ]
