@@ -45,8 +45,8 @@ def main() -> None:
                 f"us ({old_ms / new_ms:.2f}x); read floor {floor_ms * 1e3:6.1f} us ({new_ms / floor_ms:.1f}x / "
                 f"{old_ms / floor_ms:.1f}x the floor)")
         if dtype != torch.float32:
-            row["cast_first_ms"] = cuda_ms(lambda: triton_sampler.sample_tokens(logits.float(), temps, seeds))
-            line += f"; cast to float32 first {row['cast_first_ms'] * 1e3:7.1f} us ({row['cast_first_ms'] / new_ms:.2f}x)"
+            cast_ms = row["cast_first_ms"] = cuda_ms(lambda: triton_sampler.sample_tokens(logits.float(), temps, seeds))
+            line += f"; cast to float32 first {cast_ms * 1e3:7.1f} us ({cast_ms / new_ms:.2f}x)"
         rows.append(row)
         log(line)
     save_results(f"sampler_{args.dtype}", {"vocab": args.vocab, "dtype": args.dtype, "hbm_copy_bytes_per_s": bandwidth,
