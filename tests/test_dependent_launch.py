@@ -48,7 +48,7 @@ def ptx(kernel, pointers, first_constexpr, consts, **types):
 
 rope_pointers = ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "v_ptr",
                  "k_cache_ptr", "v_cache_ptr")
-for pdl in (False, True):
+for pdl, early in ((False, False), (True, False), (True, True)):
     codes = {
         "gemv": ptx(_gemv_kernel, ("x_ptr", "w_ptr", "b_ptr", "out_ptr"), "BLOCK_N",
                     dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=False, ROWS=1, PDL=pdl)),
@@ -61,11 +61,11 @@ for pdl in (False, True):
         "decode": ptx(_decode_kernel, ("q_ptr", "k_cache_ptr", "v_cache_ptr", "codes_ptr", "scales_ptr"), "GROUP",
                       dict(GROUP=4, GROUP_PAD=16, BLOCK_SIZE=256, HEAD_DIM=128, BLOCK_N=64, INDEXED=False,
                            DIRECT=False, PRECISION="tf32", ACCUMULATE=False, HOST_KV=False, PER_HEAD=False,
-                           KEY_CODES=False, PDL=pdl),
+                           KEY_CODES=False, PDL=pdl, EARLY=early),
                       out_ptr="*fp32", lse_ptr="*fp32", cu_ptr="*i32", seq_lens_ptr="*i32", tables_ptr="*i32",
                       seq_ids_ptr="*i32", qk_scale="fp32"),
         "merge": ptx(_merge_splits_kernel, ("out_ptr",), "HEAD_DIM",
-                     dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=False, PDL=pdl), part_out_ptr="*fp32",
+                     dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=False, PDL=pdl, EARLY=early), part_out_ptr="*fp32",
                      part_lse_ptr="*fp32", lse_ptr="*fp32", cu_ptr="*i32", seq_ids_ptr="*i32", seq_lens_ptr="*i32"),
     }
     for name, code in codes.items():
@@ -75,9 +75,13 @@ for pdl in (False, True):
         gemv = codes["gemv"]
         wait = gemv.index("griddepcontrol.wait")
         assert "ld.global" in gemv[:wait], "no load before the wait"
-        for name in ("decode", "merge"):  # every input may be the previous kernel's output: nothing read before
-            code = codes[name]
-            assert "ld.global" not in code[:code.index("griddepcontrol.wait")], name
+        for name in ("decode", "merge"):
+            before = codes[name][:codes[name].index("griddepcontrol.wait")]
+            if early:  # the host's lengths and tables read before the wait, the first KV tiles prefetched into L2
+                assert "ld.global" in before, name
+                assert ("prefetch.global.L2" in before) == (name == "decode"), name
+            else:  # every input may be the previous kernel's output: nothing read before
+                assert "ld.global" not in before and "prefetch" not in before, name
 print("ok")
 """
     assert_runs_compiled(code, timeout=300)

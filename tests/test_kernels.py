@@ -429,6 +429,50 @@ def test_mixed_batch_split_between_kernels(ops, num_splits):
     assert_matches(got, paged_attention_reference(*b.args(0.125)), torch.float32)
 
 
+def test_decode_launches_read_host_inputs_early_only_under_dependent_launch(ops, monkeypatch):
+    """Where dependent launches apply, the decode and merge kernels read the host's lengths and tables before waiting
+    (EARLY), except over per-KV-head tables (a selection kernel's output) or host KV; a split batch-1 step runs one
+    pipeline stage, every other launch two. The launches are recorded, not run (the interpreter has no PDL)."""
+    from nanovllm.kernels import dependent_launch
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs))
+
+    monkeypatch.setattr(ops, "_decode_kernel", Recorder("decode"))
+    monkeypatch.setattr(ops, "_merge_splits_kernel", Recorder("merge"))
+    b = make_batch([1, 1], [40, 50], 2, 2, 32, 16, torch.float32, seed=3)
+    tables, lens = _per_head_selection(b, 2, seed=4)
+    host = HostKV(b.k_cache.clone(), b.v_cache.clone(), b.k_cache.shape[0])
+    one = make_batch([1], [70], 2, 2, 32, 16, torch.float32, seed=5)
+    cases = [  # (supported, call, EARLY, stages)
+        (True, lambda: ops.paged_decode_attention(*b.args(0.1), num_splits=2, pdl=True), True, 2),
+        (True, lambda: ops.paged_decode_attention(*one.args(0.1), num_splits=4, pdl=True), True, 1),
+        (True, lambda: ops.paged_decode_attention(*one.args(0.1), num_splits=4, pdl=True,
+                                                  seq_ids=torch.tensor([0], device=DEVICE)), True, 2),
+        (True, lambda: ops.paged_decode_attention(*one.args(0.1), num_splits=1, pdl=True), True, 2),
+        (True, lambda: ops.paged_decode_attention(*one.args(0.1), num_splits=4, pdl=False), False, 1),
+        (False, lambda: ops.paged_decode_attention(*one.args(0.1), num_splits=4, pdl=True), False, 1),
+        (True, lambda: ops.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.1,
+                                                  num_splits=2, pdl=True), False, 2),
+        (True, lambda: ops.paged_decode_attention(*b.args(0.1), num_splits=2, pdl=True, host_kv=host), False, 2),
+    ]
+    for supported, call, early, stages in cases:
+        monkeypatch.setattr(dependent_launch, "supported", lambda device, on=supported: on)
+        launches.clear()
+        call()
+        decode = launches[0][1]
+        assert launches[0][0] == "decode" and decode["EARLY"] is early and decode["num_stages"] == stages
+        assert all(kwargs["EARLY"] is early for _, kwargs in launches[1:])
+    assert ops.decode_num_stages(1, 64, False) == 1 and ops.decode_num_stages(1, 1, False) == 2
+    assert ops.decode_num_stages(2, 64, False) == 2 and ops.decode_num_stages(1, 64, True) == 2
+
+
 def test_int32_block_tables(ops):
     b = make_batch([1, 20], [40, 50], 1, 2, 64, 16, torch.float32, seed=7)
     want = paged_attention_reference(*b.args(0.125))
@@ -808,7 +852,8 @@ sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*fp
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
 for group, dim, direct in [(4, 128, False), (4, 128, True), (3, 64, False)]:
     consts = dict(GROUP=group, GROUP_PAD=16, BLOCK_SIZE=16, HEAD_DIM=dim, BLOCK_N=16, INDEXED=False, DIRECT=direct,
-                  PRECISION="tf32", ACCUMULATE=False, HOST_KV=True, PER_HEAD=True, KEY_CODES=True, PDL=False)
+                  PRECISION="tf32", ACCUMULATE=False, HOST_KV=True, PER_HEAD=True, KEY_CODES=True, PDL=False,
+                  EARLY=False)
     out = "*bf16" if direct else "*fp32"
     compiled = triton.compile(ASTSource(kernel, dict(sig, out_ptr=out), consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4})
@@ -820,7 +865,7 @@ sig = {name: "i32" for name in names[:first_constexpr]}
 sig.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32", cu_ptr="*i32",
            seq_ids_ptr="*i32", seq_lens_ptr="*i32")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
-consts = dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=True, PDL=False)
+consts = dict(HEAD_DIM=128, INDEXED=False, ACCUMULATE=True, PDL=False, EARLY=False)
 compiled = triton.compile(ASTSource(merge, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 assert compiled.asm["cubin"]
 print("ok")

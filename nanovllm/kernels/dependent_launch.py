@@ -42,3 +42,13 @@ def wait_for_previous(PDL: tl.constexpr):
     """Wait until the previous kernel in the stream has finished and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """An L2 prefetch hint (`prefetch.global.L2`) for each address of ptrs: nothing is loaded into registers and
+    nothing waits for it, and L2 is coherent, so it may run before `wait_for_previous` even for data the previous
+    kernel writes (a line it rewrites is read with its new value later). CUDA only (inline PTX): not for the
+    interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)

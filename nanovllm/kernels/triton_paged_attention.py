@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - the pinned Triton has it
     TensorDescriptor = None
 
 from nanovllm.kernels import dependent_launch
-from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
+from nanovllm.kernels.dependent_launch import let_next_start, prefetch_l2, wait_for_previous
 from nanovllm.kernels.reference import HostKV
 from nanovllm.kernels.sizes import next_power_of_2, num_sms
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
@@ -64,6 +64,8 @@ WAVES = 4  # decode aims for this many programs per SM
 # in 32).
 ONE_SPLIT_WAVES = 1.8
 SPLITS_PAD: tl.constexpr = tl.constexpr(MAX_SPLITS)  # the merge reads every split's slot in one pass (masked)
+# a decode split of at most this many KV tiles is prefetched into L2 before its dependent launch waits (EARLY)
+EARLY_TILES: tl.constexpr = tl.constexpr(2)
 # decode reading pinned host memory in place: bench/tune_host_decode.py on the H200 (80 / 160 16-token pages
 # per KV head, batch 1 and 4) had 16 splits fastest everywhere, 1.55x one tile per split (64) at 80 pages
 HOST_READ_SPLITS = 16
@@ -202,6 +204,24 @@ def _merge_stored(out, lse, out_ptrs, lse_ptrs, row_mask):
     return merged, merged_lse
 
 
+@triton.jit
+def _prefetch_tiles(table_ptr, tile_lo, tile_hi, k_head_ptr, v_head_ptr, stride_kb, stride_kt, stride_vb, stride_vt,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """L2 prefetch hints (`prefetch.global.L2`, no registers, nothing waited for) for the K and V rows of KV tiles
+    [tile_lo, tile_hi) of a device-resident cache, one hint per 64 elements of a row."""
+    LINES: tl.constexpr = (HEAD_DIM + 63) // 64
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, LINES) * 64
+    for tile in range(tile_lo, tile_hi):
+        start = tile * BLOCK_N
+        block = tl.load(table_ptr + start // BLOCK_SIZE).to(tl.int64)
+        rows = start % BLOCK_SIZE + offs_n
+        k_ptrs = k_head_ptr + block * stride_kb + rows[:, None] * stride_kt + offs_l[None, :]
+        v_ptrs = v_head_ptr + block * stride_vb + rows[:, None] * stride_vt + offs_l[None, :]
+        prefetch_l2(k_ptrs)
+        prefetch_l2(v_ptrs)
+
+
 # Scalar arguments that change from step to step (table widths, split counts) are not specialised on (== 1,
 # divisible by 16): a new value must not compile a new variant on the request path. The host-pool offsets
 # stay specialised: fixed for the engine's life (multiples of a block), they keep KV loads vectorised.
@@ -214,15 +234,19 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, INDEXED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr, HOST_KV: tl.constexpr, PER_HEAD: tl.constexpr, KEY_CODES: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """One (sequence, KV head, split). INDEXED: program i serves sequence seq_ids[i], else sequence i.
     DIRECT (one split): write the result at the token's row of out/lse (ACCUMULATE: merged by LSE with
     what the row holds), else partials at [i, head, split]. PER_HEAD: each KV head has its own block
     table row and KV length (tables [B, Hk, max_blocks], seq_lens [B, Hk]: block-sparse selections).
-    PDL: a dependent launch; every input may be a previous kernel's output, so it waits before any load."""
+    PDL: a dependent launch; it waits before reading q, the caches or anything else a previous kernel may write.
+    EARLY (with PDL): the lengths, the block tables and seq_ids come from the host, not from a kernel, so they are
+    read before the wait, and the split's first KV tiles are prefetched into L2 (a hint: L2 is coherent, so a line
+    the previous kernel is still writing reads its new value later): the waiting overlaps the previous kernel."""
     let_next_start(PDL)
-    wait_for_previous(PDL)
+    if not EARLY:
+        wait_for_previous(PDL)
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,6 +268,14 @@ def _decode_kernel(
             return
     hi = tl.minimum(lo + per_split, num_tiles)
     full_tiles = seq_len // BLOCK_N  # tiles without positions past the end
+    table = tables_ptr + seq.to(tl.int64) * stride_bt
+    if PER_HEAD:
+        table += kv_head * stride_bh
+    if EARLY:
+        if hi - lo <= EARLY_TILES:  # a short split whole (longer ones: a prefetch ahead of the pipeline cost time)
+            _prefetch_tiles(table, lo, hi, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+                            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, HEAD_DIM)
+        wait_for_previous(PDL)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -260,9 +292,6 @@ def _decode_kernel(
     v_head = v_cache_ptr + kv_head * stride_vh
     code_head = codes_ptr + kv_head * stride_ch
     scale_head = scales_ptr + kv_head * stride_sh
-    table = tables_ptr + seq.to(tl.int64) * stride_bt
-    if PER_HEAD:
-        table += kv_head * stride_bh
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, seq_len, k_head, v_head, table, lo, tl.minimum(hi, full_tiles), qk_scale,
         stride_kb, stride_kt, stride_vb, stride_vt, host_k_delta, host_v_delta, host_base,
@@ -296,14 +325,17 @@ def _merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_ns, stride_nh, group, block_n,
     HEAD_DIM: tl.constexpr, INDEXED: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Log-sum-exp merge of the splits of partials [i, head, :] that have tiles (the decode kernel's split rule on
     the sequence's length; the others wrote nothing) into the token's row of out/lse (ACCUMULATE: also with what
     that row holds). No split with tiles: out 0, lse -inf (ACCUMULATE: the row unchanged). One variant for every
     split count (with a second one padded to 16 splits, rows past 16 splits compiled the wide one on the request
-    path). PDL: a dependent launch, waiting before any load."""
+    path). PDL: a dependent launch, waiting before any load (EARLY: before any load but of the host's lengths, rows
+    and seq_ids, as in the decode kernel)."""
     let_next_start(PDL)
-    wait_for_previous(PDL)
+    if not EARLY:
+        wait_for_previous(PDL)
     i = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if INDEXED:
@@ -314,6 +346,8 @@ def _merge_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + seq * stride_ns + (head // group) * stride_nh)  # per KV head: stride_nh 1
     num_tiles = tl.cdiv(seq_len, block_n)
     with_tiles = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))
+    if EARLY:
+        wait_for_previous(PDL)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < with_tiles
@@ -451,6 +485,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
+def decode_num_stages(num_programs: int, num_splits: int, indexed: bool) -> int:
+    """Pipeline depth of a decode launch: 1 where one sequence's decode step is split (a split reads a few tiles and
+    waits on their latency), else 2. H100, a batch-1 chain of q/k/v GEMV, attention and o GEMV in a CUDA graph of
+    dependent launches (Llama-3.1-8B shape, docs/results/fortysecond/decode_early.py): 39.0 vs 40.0 us a layer at 1K,
+    82.2 vs 83.5 at 32K. Mixed steps' decode rows (indexed) keep 2: the variants the start-up compiles."""
+    return 1 if num_programs == 1 and num_splits > 1 and not indexed else 2
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -485,7 +527,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     accumulate: bool = False,
     host_kv: HostKV | None = None,
     pdl: bool = False,
@@ -500,7 +542,7 @@ def paged_decode_attention(
     log-sum-exp with the partial result already in out (lse -inf: none). host_kv: table entries
     >= host_kv.base name blocks of its host caches (pinned memory, read in place through unified
     addressing: no copy). pdl: the decode and merge kernels as dependent launches (kernels/dependent_launch.py) where
-    the device has them. Returns (out, lse)."""
+    the device has them. num_stages defaults to `decode_num_stages`. Returns (out, lse)."""
     _check(q, k_cache, v_cache)
     host_args = _host_kv_args(host_kv, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
@@ -530,9 +572,11 @@ def paged_decode_attention(
         part_out = torch.empty(num_programs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_programs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     indexed = seq_ids is not None
+    num_stages = num_stages or decode_num_stages(num_programs, num_splits, indexed)
     ids = seq_ids if indexed else seq_lens  # an unused pointer when not indexed
     group = num_heads // num_kv_heads
     pdl = pdl and dependent_launch.supported(q.device)
+    early = pdl and not per_head and host_kv is None  # lengths and tables from the host (EARLY in _decode_kernel)
     _decode_kernel[(num_programs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, cu_query_lens, seq_lens, block_tables, ids, scale * _LOG2E,
         num_splits, q.stride(0), q.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -542,7 +586,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=block_n, INDEXED=indexed, DIRECT=num_splits == 1, PRECISION=_precision(q.dtype),
         ACCUMULATE=accumulate, HOST_KV=host_kv is not None, PER_HEAD=per_head,
-        KEY_CODES=host_kv is not None and host_kv.key_codes is not None, PDL=pdl, num_warps=num_warps,
+        KEY_CODES=host_kv is not None and host_kv.key_codes is not None, PDL=pdl, EARLY=early, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
@@ -551,7 +595,8 @@ def paged_decode_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             seq_lens.stride(0), seq_lens.stride(1) if per_head else 0, group, block_n,
-            HEAD_DIM=head_dim, INDEXED=indexed, ACCUMULATE=accumulate, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            HEAD_DIM=head_dim, INDEXED=indexed, ACCUMULATE=accumulate, PDL=pdl, EARLY=early, num_warps=4,
+            launch_pdl=pdl,
         )
     return out, lse
 
@@ -747,7 +792,7 @@ def _cache_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
 
 
 __all__ = [
-    "PrefillConfig", "build_prefill_schedule", "decode_num_splits", "decode_tile_size", "kv_tile_size",
+    "PrefillConfig", "build_prefill_schedule", "decode_num_splits", "decode_num_stages", "decode_tile_size", "kv_tile_size",
     "one_split_tile_size",
     "paged_decode_attention", "paged_prefill_attention", "prefill_config",
 ]
