@@ -50,8 +50,10 @@ rope_pointers = ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr
                  "k_cache_ptr", "v_cache_ptr")
 for pdl, early in ((False, False), (True, False), (True, True)):
     codes = {
-        "gemv": ptx(_gemv_kernel, ("x_ptr", "w_ptr", "b_ptr", "out_ptr"), "BLOCK_N",
-                    dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=False, ROWS=1, PDL=pdl)),
+        "gemv": ptx(_gemv_kernel, ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
+                                   "v_cache_ptr"), "BLOCK_N",
+                    dict(BLOCK_N=4, BLOCK_K=1024, HAS_BIAS=False, ROWS=1, PDL=pdl, ROPE=early, HEAD_DIM=128,
+                         Q_COLS=4096, K_COLS=1024, STORE=early), slots_ptr="*i64"),
         "rms_norm": ptx(_rms_norm_kernel, ("x_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr"), "HAS_RESIDUAL",
                         dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=pdl), eps="fp32"),
         "silu": ptx(_silu_and_mul_kernel, ("x_ptr", "out_ptr"), "BLOCK", dict(BLOCK=1024, PDL=pdl)),

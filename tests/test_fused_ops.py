@@ -176,6 +176,45 @@ def test_qk_norm_rope_stores_k_and_v_as_store_kv_would(triton_ops, dtype, qk_nor
     assert torch.equal(cache, want_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("store", [False, True])
+def test_qkv_rope_through_the_gemv_equals_projection_then_rope(triton_ops, dtype, rows, bias, store):
+    """`TritonLayerOps.qkv_rope` at 1-3 rows (the GEMV with RoPE and the store in its epilogue, kernels/triton_gemv.
+    gemv_rope) gives the q, k, v and caches that the projection followed by the RoPE kernel gives, bit for bit, and
+    the PyTorch reference's within tolerance; with a q/k norm (Qwen3) or more rows than gemv_rows it is that path."""
+    from nanovllm.layers.fused_ops import TritonLayerOps
+
+    heads, kv_heads, head_dim, hidden, blocks, block_size = 6, 2, 32, 80, 4, 16
+    linear = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=bias).to(DEVICE, dtype)
+    x = rand(rows, hidden, dtype=dtype, seed=21)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None).cos_sin(torch.arange(rows, device=DEVICE) * 53 + 7, dtype)
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(5))[:rows].to(DEVICE)
+    caches = [rand(2, blocks, block_size, kv_heads, head_dim, dtype=dtype, seed=22) for _ in range(3)]
+    fused, unfused = TritonLayerOps(gemv_rows=4), TritonLayerOps(gemv_rows=4)
+    unfused.gemv_rope = None  # must not be called: the fallback path below
+    results = []
+    for ops, cache in zip((fused, LayerOps(), None), caches):
+        target = (cache[0], cache[1], slots) if store else None
+        if ops is None:  # the unfused Triton path: GEMV, then the RoPE kernel storing k and v
+            results.append(LayerOps.qkv_rope(fused, x, linear, (heads, kv_heads, head_dim), cos, sin, None, None, 1e-6,
+                                             target))
+        else:
+            results.append(ops.qkv_rope(x, linear, (heads, kv_heads, head_dim), cos, sin, None, None, 1e-6, target))
+    (got, ref, want), (got_cache, ref_cache, want_cache) = results, caches
+    for g, r, w in zip(got, ref, want):
+        assert torch.equal(g, w)
+        torch.testing.assert_close(g, r, **TOL[dtype])
+    assert torch.equal(got_cache, want_cache)
+    torch.testing.assert_close(got_cache, ref_cache, **TOL[dtype])
+    norm = (torch.ones(head_dim, dtype=dtype, device=DEVICE),) * 2
+    assert unfused.qkv_rope(x, linear, (heads, kv_heads, head_dim), cos, sin, *norm, 1e-6)[0].shape == (rows, heads,
+                                                                                                        head_dim)
+    unfused.gemv_rows = rows - 1
+    unfused.qkv_rope(x, linear, (heads, kv_heads, head_dim), cos, sin, None, None, 1e-6)
+
+
 def test_qk_norm_rope_store_errors_name_the_mismatch(triton_ops):
     q, k, v = rand(2, 4, 16, dtype=torch.float32, seed=1), rand(2, 2, 16, dtype=torch.float32, seed=2), \
         rand(2, 2, 16, dtype=torch.float32, seed=3)

@@ -100,7 +100,8 @@ def test_gemv_bf16_at_llama_shapes(gemv, rows, n, k):
 
 
 def test_gemv_compiles_for_sm90_without_a_gpu():
-    """bf16 with bias and without, 1-4 rows, at tile sizes bench/tune_gemv.py sweeps, through Triton's ptxas."""
+    """bf16 with bias and without, 1-4 rows, at tile sizes bench/tune_gemv.py sweeps, through Triton's ptxas; and the
+    q/k/v projection with RoPE and the store at Llama-3.1-8B's heads as a dependent launch."""
     pytest.importorskip("triton")
     code = """
 import triton
@@ -110,10 +111,15 @@ from nanovllm.kernels.triton_gemv import _gemv_kernel as kernel
 names = kernel.arg_names
 first_constexpr = names.index("BLOCK_N")
 sig = {name: "i32" for name in names[:first_constexpr]}
-sig.update({name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")})
+sig.update({name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
+                                        "v_cache_ptr")}, slots_ptr="*i64")
 sig.update({name: "constexpr" for name in names[first_constexpr:]})
-for block_n, block_k, bias, rows in ((4, 1024, False, 1), (8, 1024, True, 1), (8, 512, False, 2), (16, 256, False, 4)):
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, ROWS=rows)
+plain = dict(PDL=False, ROPE=False, HEAD_DIM=2, Q_COLS=0, K_COLS=0, STORE=False)
+rope = dict(PDL=True, ROPE=True, HEAD_DIM=128, Q_COLS=4096, K_COLS=1024, STORE=True)
+for block_n, block_k, bias, rows, kind in ((4, 1024, False, 1, plain), (8, 1024, True, 1, plain),
+                                           (8, 512, False, 2, plain), (16, 256, False, 4, plain),
+                                           (4, 1024, False, 1, rope), (4, 1024, True, 2, rope)):
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, ROWS=rows, **kind)
     compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "num_stages": 1, "enable_fp_fusion": False})
     assert compiled.asm["cubin"]

@@ -27,16 +27,40 @@ MAX_ROWS = 4  # rows of x one launch serves: their products stay in registers
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_slots, stride_cs, stride_ch,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2, Q_COLS: tl.constexpr = 0, K_COLS: tl.constexpr = 0,
+    STORE: tl.constexpr = False,
 ):
-    """PDL (a dependent launch): the first weight tile is loaded before waiting for the kernel that wrote x."""
+    """PDL (a dependent launch): the first weight tile is loaded before waiting for the kernel that wrote x.
+    ROPE (the q/k/v projection): a program's columns are BLOCK_N / 2 pairs (c, c + HEAD_DIM / 2) of one head, so that
+    its epilogue rotates the q and k columns ([0, Q_COLS + K_COLS)) by RoPE with each row's cos/sin (as
+    `triton_fused.qk_norm_rope`, from the output rounded to its dtype); STORE also writes the k and v columns at each
+    row's slot of the caches (viewed [slots, Hk, HEAD_DIM]). cos, sin and slots are read before the wait: they are
+    made once per forward, not by the kernel before this one."""
     pid = tl.program_id(0)
     let_next_start(PDL)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < M
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if ROPE:  # lanes 2j and 2j + 1: the pair's two columns
+        lanes = tl.arange(0, BLOCK_N)
+        pair = pid * (BLOCK_N // 2) + lanes // 2
+        offs_n = (pair // HALF) * HEAD_DIM + pair % HALF + (lanes % 2) * HALF
+        first = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # the pairs, as their first column's index
+        angle = (first % HALF)[None, :]
+        cos_row, sin_row = cos_ptr + offs_m[:, None] * stride_cos, sin_ptr + offs_m[:, None] * stride_sin
+        c1 = tl.load(cos_row + angle, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        c2 = tl.load(cos_row + HALF + angle, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        s1 = tl.load(sin_row + angle, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        s2 = tl.load(sin_row + HALF + angle, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        rotated = ((first // HALF) * HEAD_DIM < Q_COLS + K_COLS)[None, :]
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if STORE:
+        slots = tl.load(slots_ptr + offs_m * stride_slots, mask=m_mask, other=0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
-    m_mask = offs_m < M
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     products = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -60,8 +84,28 @@ def _gemv_kernel(
     acc = tl.sum(products, 2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype)
+    if ROPE:
+        x1, x2 = tl.split(tl.reshape(out.to(tl.float32), [ROWS, BLOCK_N // 2, 2]))
+        y1 = _round(x1 * c1, dtype) - _round(x2 * s1, dtype)
+        y2 = _round(x2 * c2, dtype) + _round(x1 * s2, dtype)
+        y = tl.reshape(tl.join(tl.where(rotated, y1, x1), tl.where(rotated, y2, x2)), [ROWS, BLOCK_N])
+        out = y.to(dtype)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+    if STORE:  # k columns [Q_COLS, Q_COLS + K_COLS) to the k cache, v columns after them to the v cache
+        is_v = offs_n >= Q_COLS + K_COLS
+        kv_col = tl.where(is_v, offs_n - Q_COLS - K_COLS, offs_n - Q_COLS)
+        to_slot = slots[:, None] * stride_cs + ((kv_col // HEAD_DIM) * stride_ch + kv_col % HEAD_DIM)[None, :]
+        written = m_mask[:, None] & (n_mask & (offs_n >= Q_COLS))[None, :]
+        tl.store(k_cache_ptr + to_slot, out, mask=written & ~is_v[None, :])
+        tl.store(v_cache_ptr + to_slot, out, mask=written & is_v[None, :])
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    return x.to(dtype).to(tl.float32)
 
 
 def gemv_tiles(n: int, k: int) -> tuple[int, int]:
@@ -74,6 +118,36 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          block_k: int | None = None, num_warps: int = 4, num_stages: int = 1, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K] with M <= MAX_ROWS, in x's dtype (float32 accumulation); tiles
     default to `gemv_tiles`. pdl: a dependent launch (kernels/dependent_launch.py) where the device has them."""
+    _check(x, weight, bias)
+    return _launch(x, weight, bias, block_n, block_k, num_warps, num_stages, pdl)
+
+
+def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head_dim: int, num_heads: int,
+              num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+              store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl: bool = False) -> torch.Tensor:
+    """The q/k/v projection [M, (Hq + 2 Hk) * head_dim] (q, k, v side by side) with RoPE applied to its q and k
+    heads (rotate-half, cos / sin [M, 1, head_dim] of each row's position), as `gemv` then
+    `triton_fused.qk_norm_rope` without the norm would make them; store (k_cache, v_cache [blocks, block_size, Hk,
+    head_dim] of one layout, slots [M]): the rotated k and the v also written at the rows' slots (`store_kv`)."""
+    _check(x, weight, bias)
+    q_cols, k_cols = num_heads * head_dim, num_kv_heads * head_dim
+    if weight.shape[0] != q_cols + 2 * k_cols or head_dim % 2:
+        raise ValueError(f"gemv_rope needs an even head_dim and {num_heads} + 2 x {num_kv_heads} heads of {head_dim} "
+                         f"outputs, got a weight [{weight.shape[0]}, {weight.shape[1]}]")
+    if cos.shape != (x.shape[0], 1, head_dim) or sin.shape != cos.shape or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"gemv_rope needs cos and sin [{x.shape[0]}, 1, {head_dim}] with a unit last stride")
+    rope = dict(cos=cos, sin=sin, head_dim=head_dim, q_cols=q_cols, k_cols=k_cols)
+    if store is not None:
+        k_cache, v_cache, slots = store
+        k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        if k_flat.stride() != v_flat.stride() or k_flat.stride(-1) != 1 or k_cache.dtype != x.dtype \
+                or v_cache.dtype != x.dtype:
+            raise ValueError("gemv_rope's store needs caches of one layout, a unit last stride and x's dtype")
+        rope.update(k_cache=k_flat, v_cache=v_flat, slots=slots)
+    return _launch(x, weight, bias, None, None, 4, 1, pdl, rope)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if not 1 <= x.shape[0] <= MAX_ROWS:
@@ -82,14 +156,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemv needs x and weight contiguous along K")
     if x.dtype != weight.dtype or (bias is not None and bias.shape != (weight.shape[0],)):
         raise ValueError(f"gemv: x {x.dtype} and weight {weight.dtype} must match, bias [N]")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None,
+            block_k: int | None, num_warps: int, num_stages: int, pdl: bool, rope: dict | None = None) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     default_n, default_k = gemv_tiles(n, k)
     block_n, block_k = block_n or default_n, block_k or default_k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = pdl and dependent_launch.supported(x.device)
+    rope = rope or {}
+    store = "slots" in rope
+    cos, sin = rope.get("cos", x), rope.get("sin", x)
+    slots, k_cache, v_cache = rope.get("slots", x), rope.get("k_cache", x), rope.get("v_cache", x)
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        cos, sin, slots, k_cache, v_cache, cos.stride(0), sin.stride(0), slots.stride(0) if store else 0,
+        k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, ROWS=next_power_of_2(m), PDL=pdl,
+        ROPE=bool(rope), HEAD_DIM=rope.get("head_dim", 2), Q_COLS=rope.get("q_cols", 0),
+        K_COLS=rope.get("k_cols", 0), STORE=store,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, launch_pdl=pdl,
     )
     return out

@@ -33,13 +33,28 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); residual None: (rms_norm(x), x)."""
+        if residual is None:
+            return self.rms_norm(x, weight, eps), x
+        return self.add_rms_norm(x, residual, weight, eps)
+
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(rms_norm(x + residual)), x + residual); residual None: (linear(rms_norm(x)), x)."""
-        if residual is None:
-            return self.linear(self.rms_norm(x, weight, eps), linear), x
-        normed, summed = self.add_rms_norm(x, residual, weight, eps)
+        normed, summed = self.norm(x, residual, weight, eps)
         return self.linear(normed, linear), summed
+
+    def qkv_rope(self, x: torch.Tensor, linear: nn.Linear, heads: tuple[int, int, int], cos: torch.Tensor,
+                 sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) of the q/k/v projection of x (heads: Hq, Hk, D), q and k
+        through `qk_norm_rope`; store (k_cache, v_cache, slots): k and v also written at the slots."""
+        q, k, v = _split_heads(self.linear(x, linear), heads)
+        q, k = self.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, None if store is None else (v, *store))
+        return q, k, v
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         return self.linear(self.silu_and_mul(gate_up), linear)
@@ -61,6 +76,14 @@ class LayerOps:
             v, k_cache, v_cache, slots = store
             store_kv(k, v, k_cache, v_cache, slots)
         return q, k
+
+
+def _split_heads(qkv: torch.Tensor, heads: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, (Hq + 2 Hk) * D] -> views q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]."""
+    num_heads, num_kv_heads, head_dim = heads
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.unflatten(-1, (num_heads, head_dim)), k.unflatten(-1, (num_kv_heads, head_dim)), \
+        v.unflatten(-1, (num_kv_heads, head_dim))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +108,7 @@ class TritonLayerOps(LayerOps):
         if not 0 <= gemv_rows <= triton_gemv.MAX_ROWS:
             raise ValueError(f"gemv_rows={gemv_rows} is outside 0..{triton_gemv.MAX_ROWS}")
         self.kernels = triton_fused
-        self.gemv = triton_gemv.gemv
+        self.gemv, self.gemv_rope = triton_gemv.gemv, triton_gemv.gemv_rope
         self.gemv_rows = gemv_rows
         self.dependent_launch = dependent_launch
 
@@ -112,6 +135,16 @@ class TritonLayerOps(LayerOps):
 
     def qk_norm_rope(self, q, k, cos, sin, q_weight, k_weight, eps, store=None):
         return self.kernels.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, store, pdl=self.dependent_launch)
+
+    def qkv_rope(self, x, linear, heads, cos, sin, q_weight, k_weight, eps, store=None):
+        """Through the GEMV (steps of gemv_rows rows), without a q/k norm: RoPE and the store in its epilogue, one
+        launch fewer (kernels/triton_gemv.gemv_rope)."""
+        if q_weight is not None or not self._through_gemv(x, linear):
+            return super().qkv_rope(x, linear, heads, cos, sin, q_weight, k_weight, eps, store)
+        num_heads, num_kv_heads, head_dim = heads
+        qkv = self.gemv_rope(x, linear.weight, linear.bias, head_dim, num_heads, num_kv_heads, cos, sin, store,
+                             pdl=self.dependent_launch)
+        return _split_heads(qkv, heads)
 
 
 _LAYER_OPS = {"torch": LayerOps, "triton": TritonLayerOps}

@@ -86,19 +86,16 @@ class Attention(nn.Module):
         self.ops = ops
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, rope, qkv: torch.Tensor, kv: KVAccess) -> torch.Tensor:
-        """qkv: the layer's q/k/v projection (made with the norm before it: `LayerOps.norm_linear`)."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+    def forward(self, rope, x: torch.Tensor, kv: KVAccess) -> torch.Tensor:
+        """x: the normed input of the layer."""
         norm_weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         target = kv.write_target(self.layer_idx)
         if target is None:
-            q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps)
+            q, k, v = self.ops.qkv_rope(x, self.qkv_proj, heads, *rope, *norm_weights, self.eps)
             out = kv.attend(self.layer_idx, q, k, v, self.scale)
         else:  # k and v stored by the op that rotates k (one launch fewer per layer on the GPU)
-            q, k = self.ops.qk_norm_rope(q, k, *rope, *norm_weights, self.eps, store=(v, *target))
+            q, k, v = self.ops.qkv_rope(x, self.qkv_proj, heads, *rope, *norm_weights, self.eps, store=target)
             out = kv.attend_written(self.layer_idx, q, k, v, self.scale)
         return self.ops.linear(out.flatten(1), self.o_proj)
 
@@ -125,11 +122,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope, x, residual, kv: KVAccess) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (residual None: first layer).
-        Returns this layer's MLP output and the residual stream before it; the next norm adds them. Each norm is
-        made together with the projection after it (one op: fused into a GEMV where the ops do that)."""
+        Returns this layer's MLP output and the residual stream before it; the next norm adds them. The input norm
+        feeds the q/k/v projection, whose op also applies RoPE (`LayerOps.qkv_rope`); the other norm is made
+        together with the gate/up projection (`LayerOps.norm_linear`)."""
         norm, ops = self.input_layernorm, self.self_attn.ops
-        qkv, residual = ops.norm_linear(x, residual, norm.weight, norm.eps, self.self_attn.qkv_proj)
-        x = self.self_attn(rope, qkv, kv)
+        normed, residual = ops.norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(rope, normed, kv)
         norm = self.post_attention_layernorm
         gate_up, residual = ops.norm_linear(x, residual, norm.weight, norm.eps, self.mlp.gate_up_proj)
         return self.mlp(gate_up), residual
