@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (carry .models/old42, the tree at 2ab60ee): batch-1 / batch-32 decode latency of this tree and
-# 2ab60ee alternating (new, old, new, old), then the CUDA tests of the changed kernels. Logs as $OUT/latency_round.tgz.
+# 2ab60ee alternating (new, old, new, old), then the CUDA tests of the changed kernels and models. Logs as $OUT/latency_round.tgz.
 set -uo pipefail
 source bench/device/on_device.sh
 here=$PWD back=$OUT out=/tmp/latency_round
@@ -17,6 +17,7 @@ run() {  # tree label, run number, bench script and its arguments
 for n in 1 2; do
   for tree in new old; do run $tree $n latency.py --skip-hf --prefill-contexts 8192 --async-scheduling; done
 done
-timeout 200 python3 -m pytest -q -m cuda tests/test_kernels.py tests/test_dependent_launch.py tests/test_compile_watch.py \
+timeout 260 python3 -m pytest -q -m cuda tests/test_kernels.py tests/test_dependent_launch.py tests/test_compile_watch.py \
+  tests/test_gemv.py tests/test_fused_ops.py tests/test_decode_graphs.py tests/test_models_hf.py \
   2>&1 | tail -4 | tee $out/cuda_tests.log
 bundle
