@@ -215,6 +215,27 @@ def test_qkv_rope_through_the_gemv_equals_projection_then_rope(triton_ops, dtype
     unfused.qkv_rope(x, linear, (heads, kv_heads, head_dim), cos, sin, None, None, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_silu_through_the_gemv_equals_projection_then_silu(dtype, rows, bias):
+    """`TritonLayerOps.gate_up_silu` at 1-2 rows (SiLU * up in the GEMV's epilogue, kernels/triton_gemv.gemv_silu)
+    equals the GEMV followed by the SiLU kernel bit for bit, and the PyTorch reference within tolerance; a projection
+    wider than twice its input goes through it too (gate/up is), steps of more rows than gemv_rows do not."""
+    from nanovllm.layers.fused_ops import TritonLayerOps
+
+    hidden, inter = 48, 56  # 2 * inter > 2 * hidden
+    linear = torch.nn.Linear(hidden, 2 * inter, bias=bias).to(DEVICE, dtype)
+    x = rand(rows, hidden, dtype=dtype, seed=31)
+    ops = TritonLayerOps(gemv_rows=2)
+    got = ops.gate_up_silu(x, linear)
+    want = ops.silu_and_mul(ops.gemv(x, linear.weight, linear.bias))
+    assert got.shape == (rows, inter) and torch.equal(got, want)
+    torch.testing.assert_close(got, LayerOps().gate_up_silu(x, linear), **TOL[dtype])
+    ops.gemv_silu = None  # must not be called below
+    assert ops.gate_up_silu(rand(3, hidden, dtype=dtype, seed=32), linear).shape == (3, inter)
+
+
 def test_qk_norm_rope_store_errors_name_the_mismatch(triton_ops):
     q, k, v = rand(2, 4, 16, dtype=torch.float32, seed=1), rand(2, 2, 16, dtype=torch.float32, seed=2), \
         rand(2, 2, 16, dtype=torch.float32, seed=3)

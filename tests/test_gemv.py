@@ -47,6 +47,18 @@ def test_gemv_reads_strided_rows_and_only_its_rows(gemv):
     torch.testing.assert_close(gemv(x, w, block_n=8, block_k=16), F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
+def test_gemv_rope_and_silu_errors_name_the_limit(gemv):
+    from nanovllm.kernels.triton_gemv import gemv_rope, gemv_silu
+
+    cos = torch.ones(1, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="even number of outputs"):
+        gemv_silu(rand(1, 32), rand(7, 32))
+    with pytest.raises(ValueError, match="4 \\+ 2 x 2 heads of 16"):
+        gemv_rope(rand(1, 32), rand(100, 32), None, 16, 4, 2, cos, cos)
+    with pytest.raises(ValueError, match="cos and sin \\[1, 1, 16\\]"):
+        gemv_rope(rand(1, 32), rand(128, 32), None, 16, 4, 2, cos[..., :8], cos)
+
+
 def test_gemv_errors_name_the_limit(gemv):
     with pytest.raises(ValueError, match="1..4 rows"):
         gemv(rand(5, 32), rand(8, 32))

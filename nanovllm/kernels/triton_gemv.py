@@ -30,14 +30,16 @@ def _gemv_kernel(
     cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_slots, stride_cs, stride_ch,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
     ROPE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2, Q_COLS: tl.constexpr = 0, K_COLS: tl.constexpr = 0,
-    STORE: tl.constexpr = False,
+    STORE: tl.constexpr = False, SILU: tl.constexpr = False,
 ):
     """PDL (a dependent launch): the first weight tile is loaded before waiting for the kernel that wrote x.
     ROPE (the q/k/v projection): a program's columns are BLOCK_N / 2 pairs (c, c + HEAD_DIM / 2) of one head, so that
     its epilogue rotates the q and k columns ([0, Q_COLS + K_COLS)) by RoPE with each row's cos/sin (as
     `triton_fused.qk_norm_rope`, from the output rounded to its dtype); STORE also writes the k and v columns at each
     row's slot of the caches (viewed [slots, Hk, HEAD_DIM]). cos, sin and slots are read before the wait: they are
-    made once per forward, not by the kernel before this one."""
+    made once per forward, not by the kernel before this one. SILU (the gate/up projection, gate columns then up
+    columns): a program's columns are pairs (c, c + N / 2) and it writes silu(gate) * up [M, N / 2] (as
+    `triton_fused.silu_and_mul` of the output rounded to its dtype)."""
     pid = tl.program_id(0)
     let_next_start(PDL)
     offs_m = tl.arange(0, ROWS)
@@ -55,6 +57,10 @@ def _gemv_kernel(
         s1 = tl.load(sin_row + angle, mask=m_mask[:, None], other=0.0).to(tl.float32)
         s2 = tl.load(sin_row + HALF + angle, mask=m_mask[:, None], other=0.0).to(tl.float32)
         rotated = ((first // HALF) * HEAD_DIM < Q_COLS + K_COLS)[None, :]
+    elif SILU:
+        lanes = tl.arange(0, BLOCK_N)
+        offs_n = pid * (BLOCK_N // 2) + lanes // 2 + (lanes % 2) * (N // 2)
+        first = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if STORE:
@@ -92,8 +98,13 @@ def _gemv_kernel(
         y2 = _round(x2 * c2, dtype) + _round(x1 * s2, dtype)
         y = tl.reshape(tl.join(tl.where(rotated, y1, x1), tl.where(rotated, y2, x2)), [ROWS, BLOCK_N])
         out = y.to(dtype)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+    if SILU:
+        gate, up = tl.split(tl.reshape(out.to(tl.float32), [ROWS, BLOCK_N // 2, 2]))
+        out = (_round(gate / (1.0 + tl.exp(-gate)), dtype) * up).to(dtype)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + first[None, :], out,
+                 mask=m_mask[:, None] & (first < N // 2)[None, :])
+    else:
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
     if STORE:  # k columns [Q_COLS, Q_COLS + K_COLS) to the k cache, v columns after them to the v cache
         is_v = offs_n >= Q_COLS + K_COLS
         kv_col = tl.where(is_v, offs_n - Q_COLS - K_COLS, offs_n - Q_COLS)
@@ -147,6 +158,16 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return _launch(x, weight, bias, None, None, 4, 1, pdl, rope)
 
 
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False
+              ) -> torch.Tensor:
+    """silu(gate) * up [M, N / 2] of the gate/up projection x @ weight^T (+ bias) = [gate | up] [M, N], as `gemv` then
+    `triton_fused.silu_and_mul` would make it: the activation in the GEMV's epilogue, one launch fewer."""
+    _check(x, weight, bias)
+    if weight.shape[0] % 2:
+        raise ValueError(f"gemv_silu needs an even number of outputs (gate then up), got {weight.shape[0]}")
+    return _launch(x, weight, bias, None, None, 4, 1, pdl, silu=True)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -159,11 +180,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None,
-            block_k: int | None, num_warps: int, num_stages: int, pdl: bool, rope: dict | None = None) -> torch.Tensor:
+            block_k: int | None, num_warps: int, num_stages: int, pdl: bool, rope: dict | None = None,
+            silu: bool = False) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     default_n, default_k = gemv_tiles(n, k)
     block_n, block_k = block_n or default_n, block_k or default_k
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if silu else n, dtype=x.dtype, device=x.device)
     pdl = pdl and dependent_launch.supported(x.device)
     rope = rope or {}
     store = "slots" in rope
@@ -175,7 +197,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bl
         k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, ROWS=next_power_of_2(m), PDL=pdl,
         ROPE=bool(rope), HEAD_DIM=rope.get("head_dim", 2), Q_COLS=rope.get("q_cols", 0),
-        K_COLS=rope.get("k_cols", 0), STORE=store,
+        K_COLS=rope.get("k_cols", 0), STORE=store, SILU=silu,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, launch_pdl=pdl,
     )
     return out

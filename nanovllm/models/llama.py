@@ -107,9 +107,9 @@ class MLP(nn.Module):
         self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
         self.ops = ops
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: the gate/up projection (made with the norm before it: `LayerOps.norm_linear`)."""
-        return self.ops.silu_linear(gate_up, self.down_proj)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: the normed input of the MLP."""
+        return self.ops.linear(self.ops.gate_up_silu(x, self.gate_up_proj), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -122,15 +122,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope, x, residual, kv: KVAccess) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (residual None: first layer).
-        Returns this layer's MLP output and the residual stream before it; the next norm adds them. The input norm
-        feeds the q/k/v projection, whose op also applies RoPE (`LayerOps.qkv_rope`); the other norm is made
-        together with the gate/up projection (`LayerOps.norm_linear`)."""
+        Returns this layer's MLP output and the residual stream before it; the next norm adds them. The q/k/v
+        projection's op also applies RoPE (`LayerOps.qkv_rope`), the gate/up projection's SiLU * up
+        (`LayerOps.gate_up_silu`)."""
         norm, ops = self.input_layernorm, self.self_attn.ops
         normed, residual = ops.norm(x, residual, norm.weight, norm.eps)
         x = self.self_attn(rope, normed, kv)
         norm = self.post_attention_layernorm
-        gate_up, residual = ops.norm_linear(x, residual, norm.weight, norm.eps, self.mlp.gate_up_proj)
-        return self.mlp(gate_up), residual
+        normed, residual = ops.norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
