@@ -5,7 +5,8 @@ CUDA graph (as in the engine's decode graphs; split-K reductions included) for F
 with cuBLASLt preferred, the Triton kernel at the tiles the engine picks (`gemv_tiles`) and over a sweep of tiles,
 warps and stages (each checked against F.linear in float32). Prints microseconds and the weights' bytes over that
 time as a fraction of the measured HBM copy bandwidth, per shape and summed over a layer: cuBLAS everywhere
-against what `TritonLayerOps` runs (the GEMV for the narrow projections, cuBLAS for the others).
+against what `TritonLayerOps.linear` runs (the GEMV for the narrow projections, cuBLAS for the others; gate/up goes
+through `gemv_silu` with SiLU * up in its epilogue, timed by docs/results/fortysecond/mlp_chain.py).
 
     PYTHONPATH=. python3 bench/tune_gemv.py [--model bench/configs/llama-3.1-8b] [--rows 1 4] [--quick]
 """

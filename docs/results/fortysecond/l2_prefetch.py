@@ -107,7 +107,7 @@ def main():
             for i in range(L):
                 if mode == "prefetch":
                     prefetch(gu_w[i][: mb * 1024 * 1024 // (2 * H)], chunk, per_program)
-                a = attn(i)
+                attn(i)
                 torch.nn.functional.linear(x, gu_w[i])
         return fn
 
