@@ -792,7 +792,6 @@ def _cache_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
 
 
 __all__ = [
-    "PrefillConfig", "build_prefill_schedule", "decode_num_splits", "decode_num_stages", "decode_tile_size", "kv_tile_size",
-    "one_split_tile_size",
-    "paged_decode_attention", "paged_prefill_attention", "prefill_config",
+    "PrefillConfig", "build_prefill_schedule", "decode_num_splits", "decode_num_stages", "decode_tile_size",
+    "kv_tile_size", "one_split_tile_size", "paged_decode_attention", "paged_prefill_attention", "prefill_config",
 ]
