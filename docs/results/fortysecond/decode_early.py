@@ -12,29 +12,12 @@ import torch
 
 from nanovllm.kernels import triton_paged_attention as new_ops
 from nanovllm.kernels.triton_gemv import gemv
+from probe_common import graph_us
 
 _old = os.path.join(os.environ.get("OLD_TREE", ".models/old42"), "nanovllm/kernels/triton_paged_attention.py")
 _spec = importlib.util.spec_from_file_location("old_paged_attention", _old)
 old_ops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(old_ops)
-
-
-def graph_us(fn, layers):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(20):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1000 / 20 / layers
 
 
 def main():

@@ -13,6 +13,7 @@ import triton.language as tl
 from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
 from nanovllm.kernels.triton_gemv import gemv
 from nanovllm.kernels import triton_paged_attention as ops
+from probe_common import graph_us
 
 
 @triton.jit
@@ -37,24 +38,6 @@ def prefetch(w: torch.Tensor, chunk: int = 65536, per_program: int = 32, pdl: bo
     grid = triton.cdiv(n, chunk * per_program)
     _prefetch_kernel[(grid,)](flat, n, CHUNK=chunk, PER_PROGRAM=per_program, PDL=pdl, WAIT=wait, num_warps=1,
                               launch_pdl=pdl)
-
-
-def graph_us(fn, layers):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(20):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1000 / 20 / layers
 
 
 def main():

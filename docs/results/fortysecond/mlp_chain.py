@@ -8,24 +8,7 @@ import torch.nn.functional as F
 
 from nanovllm.kernels import triton_fused
 from nanovllm.kernels.triton_gemv import gemv, gemv_silu
-
-
-def graph_us(fn, layers):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(20):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1000 / 20 / layers
+from probe_common import graph_us
 
 
 def main():
