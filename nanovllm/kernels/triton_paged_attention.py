@@ -242,8 +242,9 @@ def _decode_kernel(
     table row and KV length (tables [B, Hk, max_blocks], seq_lens [B, Hk]: block-sparse selections).
     PDL: a dependent launch; it waits before reading q, the caches or anything else a previous kernel may write.
     EARLY (with PDL): the lengths, the block tables and seq_ids come from the host, not from a kernel, so they are
-    read before the wait, and the split's first KV tiles are prefetched into L2 (a hint: L2 is coherent, so a line
-    the previous kernel is still writing reads its new value later): the waiting overlaps the previous kernel."""
+    read before the wait, and a split of at most EARLY_TILES tiles is prefetched into L2 (a hint: L2 is coherent, so
+    a line the previous kernel is still writing reads its new value later): the waiting overlaps the previous
+    kernel."""
     let_next_start(PDL)
     if not EARLY:
         wait_for_previous(PDL)
