@@ -47,7 +47,7 @@ class LayerOps:
         """(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D]) of the q/k/v projection of x (heads: Hq, Hk, D), q and k
         through `qk_norm_rope`; store (k_cache, v_cache, slots): k and v also written at the slots."""
         q, k, v = _split_heads(self.linear(x, linear), heads)
-        q, k = self.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, None if store is None else (v, *store))
+        q, k = self.qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, store=None if store is None else (v, *store))
         return q, k, v
 
     def gate_up_silu(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
