@@ -6,9 +6,15 @@ columns over the whole of K: each weight row is read once, the products are summ
 shared-memory tile, no split, no second kernel) and written by the program that summed them. On the H200
 (`bench/tune_gemv.py`, thirty-third session) this beat cuBLAS at 1 row on q/k/v 1.08x, o 1.34x and down 1.04x,
 not on the wide gate/up projection (0.97x); tl.dot over rows padded to 16 and the norm or SiLU * up fused in
-front of the product were slower than cuBLAS plus the separate op, so neither is kept.
+front of the product were slower than cuBLAS plus the separate op, so neither is kept. Behind the product, in the
+epilogue, two ops cost nothing and save a launch each: RoPE with the k/v store for the q/k/v projection
+(`gemv_rope`) and SiLU * up for gate/up (`gemv_silu`, which also makes gate/up a dependent launch, unlike cuBLAS):
+batch-1 decode 5.94 -> 5.49 ms a token at 1K on an H100 with both and the decode kernels' early reads
+(docs/BENCHMARKS.md, forty-second session).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -147,15 +153,27 @@ def gemv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
                          f"outputs, got a weight [{weight.shape[0]}, {weight.shape[1]}]")
     if cos.shape != (x.shape[0], 1, head_dim) or sin.shape != cos.shape or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError(f"gemv_rope needs cos and sin [{x.shape[0]}, 1, {head_dim}] with a unit last stride")
-    rope = dict(cos=cos, sin=sin, head_dim=head_dim, q_cols=q_cols, k_cols=k_cols)
+    flat_store = None
     if store is not None:
         k_cache, v_cache, slots = store
         k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
         if k_flat.stride() != v_flat.stride() or k_flat.stride(-1) != 1 or k_cache.dtype != x.dtype \
                 or v_cache.dtype != x.dtype:
             raise ValueError("gemv_rope's store needs caches of one layout, a unit last stride and x's dtype")
-        rope.update(k_cache=k_flat, v_cache=v_flat, slots=slots)
-    return _launch(x, weight, bias, None, None, 4, 1, pdl, rope)
+        flat_store = (k_flat, v_flat, slots)
+    return _launch(x, weight, bias, None, None, 4, 1, pdl, _Rope(cos, sin, head_dim, q_cols, k_cols, flat_store))
+
+
+class _Rope(NamedTuple):
+    """gemv_rope's epilogue: cos / sin [M, 1, head_dim], the q and k columns, and where k and v go (caches viewed
+    [slots, Hk, head_dim] and the rows' slots), if anywhere."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    head_dim: int
+    q_cols: int
+    k_cols: int
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False
@@ -180,24 +198,23 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_n: int | None,
-            block_k: int | None, num_warps: int, num_stages: int, pdl: bool, rope: dict | None = None,
+            block_k: int | None, num_warps: int, num_stages: int, pdl: bool, rope: _Rope | None = None,
             silu: bool = False) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     default_n, default_k = gemv_tiles(n, k)
     block_n, block_k = block_n or default_n, block_k or default_k
     out = torch.empty(m, n // 2 if silu else n, dtype=x.dtype, device=x.device)
     pdl = pdl and dependent_launch.supported(x.device)
-    rope = rope or {}
-    store = "slots" in rope
-    cos, sin = rope.get("cos", x), rope.get("sin", x)
-    slots, k_cache, v_cache = rope.get("slots", x), rope.get("k_cache", x), rope.get("v_cache", x)
+    store = rope is not None and rope.store is not None
+    cos, sin = (rope.cos, rope.sin) if rope is not None else (x, x)  # unused pointers without the epilogue
+    k_cache, v_cache, slots = rope.store if store else (x, x, x)
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         cos, sin, slots, k_cache, v_cache, cos.stride(0), sin.stride(0), slots.stride(0) if store else 0,
         k_cache.stride(0) if store else 0, k_cache.stride(1) if store else 0,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, ROWS=next_power_of_2(m), PDL=pdl,
-        ROPE=bool(rope), HEAD_DIM=rope.get("head_dim", 2), Q_COLS=rope.get("q_cols", 0),
-        K_COLS=rope.get("k_cols", 0), STORE=store, SILU=silu,
+        ROPE=rope is not None, HEAD_DIM=rope.head_dim if rope else 2, Q_COLS=rope.q_cols if rope else 0,
+        K_COLS=rope.k_cols if rope else 0, STORE=store, SILU=silu,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, launch_pdl=pdl,
     )
     return out
