@@ -431,8 +431,9 @@ def test_mixed_batch_split_between_kernels(ops, num_splits):
 
 def test_decode_launches_read_host_inputs_early_only_under_dependent_launch(ops, monkeypatch):
     """Where dependent launches apply, the decode and merge kernels read the host's lengths and tables before waiting
-    (EARLY), except over per-KV-head tables (a selection kernel's output) or host KV; a split batch-1 step runs one
-    pipeline stage, every other launch two. The launches are recorded, not run (the interpreter has no PDL)."""
+    (EARLY), except over per-KV-head tables (a selection kernel's output) or host KV; a split batch-1 step over
+    device KV runs one pipeline stage, every other launch two. The launches are recorded, not run (the interpreter
+    has no PDL)."""
     from nanovllm.kernels import dependent_launch
 
     launches = []
@@ -450,6 +451,7 @@ def test_decode_launches_read_host_inputs_early_only_under_dependent_launch(ops,
     tables, lens = _per_head_selection(b, 2, seed=4)
     host = HostKV(b.k_cache.clone(), b.v_cache.clone(), b.k_cache.shape[0])
     one = make_batch([1], [70], 2, 2, 32, 16, torch.float32, seed=5)
+    host_one = HostKV(one.k_cache.clone(), one.v_cache.clone(), one.k_cache.shape[0])
     cases = [  # (supported, call, EARLY, stages)
         (True, lambda: ops.paged_decode_attention(*b.args(0.1), num_splits=2, pdl=True), True, 2),
         (True, lambda: ops.paged_decode_attention(*one.args(0.1), num_splits=4, pdl=True), True, 1),
@@ -461,6 +463,7 @@ def test_decode_launches_read_host_inputs_early_only_under_dependent_launch(ops,
         (True, lambda: ops.paged_decode_attention(b.q, b.k_cache, b.v_cache, b.cu_query_lens, lens, tables, 0.1,
                                                   num_splits=2, pdl=True), False, 2),
         (True, lambda: ops.paged_decode_attention(*b.args(0.1), num_splits=2, pdl=True, host_kv=host), False, 2),
+        (True, lambda: ops.paged_decode_attention(*one.args(0.1), num_splits=4, pdl=True, host_kv=host_one), False, 2),
     ]
     for supported, call, early, stages in cases:
         monkeypatch.setattr(dependent_launch, "supported", lambda device, on=supported: on)
@@ -469,8 +472,9 @@ def test_decode_launches_read_host_inputs_early_only_under_dependent_launch(ops,
         decode = launches[0][1]
         assert launches[0][0] == "decode" and decode["EARLY"] is early and decode["num_stages"] == stages
         assert all(kwargs["EARLY"] is early for _, kwargs in launches[1:])
-    assert ops.decode_num_stages(1, 64, False) == 1 and ops.decode_num_stages(1, 1, False) == 2
-    assert ops.decode_num_stages(2, 64, False) == 2 and ops.decode_num_stages(1, 64, True) == 2
+    assert ops.decode_num_stages(1, 64, False, False) == 1 and ops.decode_num_stages(1, 1, False, False) == 2
+    assert ops.decode_num_stages(2, 64, False, False) == 2 and ops.decode_num_stages(1, 64, True, False) == 2
+    assert ops.decode_num_stages(1, 64, False, True) == 2
 
 
 def test_int32_block_tables(ops):

@@ -486,12 +486,13 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
-def decode_num_stages(num_programs: int, num_splits: int, indexed: bool) -> int:
-    """Pipeline depth of a decode launch: 1 where one sequence's decode step is split (a split reads a few tiles and
-    waits on their latency), else 2. H100, a batch-1 chain of q/k/v GEMV, attention and o GEMV in a CUDA graph of
-    dependent launches (Llama-3.1-8B shape, docs/results/fortysecond/decode_early.py): 39.0 vs 40.0 us a layer at 1K,
-    82.2 vs 83.5 at 32K. Mixed steps' decode rows (indexed) keep 2: the variants the start-up compiles."""
-    return 1 if num_programs == 1 and num_splits > 1 and not indexed else 2
+def decode_num_stages(num_programs: int, num_splits: int, indexed: bool, host_kv: bool) -> int:
+    """Pipeline depth of a decode launch: 1 where one sequence's decode step over device KV is split (a split reads a
+    few tiles and waits on their latency), else 2. H100, a batch-1 chain of q/k/v GEMV, attention and o GEMV in a
+    CUDA graph of dependent launches (Llama-3.1-8B shape, docs/results/fortysecond/decode_early.py): 39.0 vs 40.0 us
+    a layer at 1K, 82.2 vs 83.5 at 32K. Mixed steps' decode rows (indexed) and host-KV steps keep 2: untimed, and the
+    variants the start-up compiles."""
+    return 1 if num_programs == 1 and num_splits > 1 and not indexed and not host_kv else 2
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -573,7 +574,7 @@ def paged_decode_attention(
         part_out = torch.empty(num_programs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_programs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     indexed = seq_ids is not None
-    num_stages = num_stages or decode_num_stages(num_programs, num_splits, indexed)
+    num_stages = num_stages or decode_num_stages(num_programs, num_splits, indexed, host_kv is not None)
     ids = seq_ids if indexed else seq_lens  # an unused pointer when not indexed
     group = num_heads // num_kv_heads
     pdl = pdl and dependent_launch.supported(q.device)
