@@ -264,25 +264,27 @@ def split_variant(splits: int) -> str:
                          ids=["tiny", "llama-8b", "qwen-0.5b", "smollm2"])
 def test_start_up_steps_meet_every_decode_variant_a_step_can_take(block_size, head_dim, num_kv_heads, max_len):
     """Every split variant a decode step of up to max_len keys can take (one split written directly; several
-    merged) is taken by a start-up step, mixed or pure decode (the H200's 132 SMs). When the merge had a variant
-    for more than 16 splits, rows of more than 4,096 keys merged through one compiled on the request path (RULER at
-    8K on SmolLM2: 253 ms, twenty-third session)."""
+    merged; a pure decode step's batch-1 split at one pipeline stage) is taken by a start-up step, mixed (its decode
+    rows indexed) or pure decode (the H200's 132 SMs). When the merge had a variant for more than 16 splits, rows of
+    more than 4,096 keys merged through one compiled on the request path (RULER at 8K on SmolLM2: 253 ms,
+    twenty-third session)."""
     tpa = pytest.importorskip("nanovllm.kernels.triton_paged_attention")
     from nanovllm.engine.warm_up import decode_step_layouts, mixed_step_layouts
 
     block_n = tpa.decode_tile_size(torch.bfloat16, head_dim, block_size)
 
-    def variant(rows: int, longest: int) -> str:
-        return split_variant(tpa.decode_num_splits(rows, num_kv_heads, longest, block_n, num_sms=132))
+    def variant(rows: int, longest: int, indexed: bool) -> tuple[str, int]:
+        splits = tpa.decode_num_splits(rows, num_kv_heads, longest, block_n, num_sms=132)
+        return split_variant(splits), tpa.decode_num_stages(rows, splits, indexed, False)
 
-    reachable = {variant(rows, n) for rows in (1, 2, 3, 8, 64, 256)
-                 for n in (1, 16, 100, 1000, 4096, 5000, 8192, 20000, 100000) if n < max_len}
-    for layouts in (mixed_step_layouts(max_len), decode_step_layouts(max_len)):
+    for layouts, indexed in ((mixed_step_layouts(max_len), True), (decode_step_layouts(max_len), False)):
+        reachable = {variant(rows, n, indexed) for rows in (1, 2, 3, 8, 64, 256)
+                     for n in (1, 16, 100, 1000, 4096, 5000, 8192, 20000, 100000) if n < max_len}
         covered = set()
         for query_lens, seq_lens in layouts:
             decode = [s for q, s in zip(query_lens, seq_lens) if q == 1]
-            covered.add(variant(len(decode), max(decode)))
-        assert reachable <= covered
+            covered.add(variant(len(decode), max(decode), indexed))
+        assert reachable <= covered, (indexed, reachable - covered)
 
 
 def test_start_up_rows_longer_than_the_pool_read_its_blocks_again():
@@ -335,8 +337,8 @@ def test_start_up_samples_greedy_and_random_rows_alone_and_together(tiny_llama, 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_start_up_runs_pure_decode_steps_only_without_decode_graphs(tiny_llama, monkeypatch, graphs):
     """An engine without decode graphs (enforce_eager) compiled its pure decode steps' kernels on its first
-    decode (459 ms on the H200): start-up runs such steps then, one split and several; with graphs their
-    capture does."""
+    decode (459 ms on the H200): start-up runs such steps then, one split, several, and several for one row
+    alone (its one-stage variant); with graphs their capture does."""
     from nanovllm import LLM
     from nanovllm.engine import warm_up
 
@@ -349,7 +351,7 @@ def test_start_up_runs_pure_decode_steps_only_without_decode_graphs(tiny_llama, 
     monkeypatch.setattr(warm_up, "_mixed_step", lambda w, q, s, *a: steps.append((q, s)) or mixed_step(w, q, s, *a))
     warm_up.compile_step_variants(worker)
     decode_only = [(q, s) for q, s in steps if set(q) == {1}]
-    assert decode_only == ([] if graphs else [([1], [16]), ([1, 1], [16, 511])])
+    assert decode_only == ([] if graphs else [([1], [16]), ([1, 1], [16, 511]), ([1], [511])])
 
 
 @pytest.mark.parametrize("policy", ["full", "quest"])
@@ -384,7 +386,7 @@ def test_start_up_of_an_offload_engine_runs_its_split_attention(tiny_llama, poli
     per_head = [1] if policy == "full" else [1, 2]
     assert sorted(set(calls)) == sorted((kind, torch.float32, d, decode_only) for kind in ("history", "rows")
                                         for d in per_head for decode_only in (False, True))
-    assert len(calls) == 2 * 4 * len(per_head)  # two mixed and two decode layouts (max_model_len 512), rows and history
+    assert len(calls) == 2 * 5 * len(per_head)  # 2 mixed and 3 decode layouts (max_model_len 512), rows and history
     assert llm.generate(prompt, params, use_tqdm=False)[0].token_ids == want[0].token_ids
 
 

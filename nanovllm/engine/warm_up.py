@@ -62,9 +62,10 @@ def selector_step_layouts(max_model_len: int, selector_row: int) -> list[tuple[l
 def decode_step_layouts(max_model_len: int) -> list[tuple[list[int], list[int]]]:
     """(query_lens, seq_lens) of start-up pure decode steps, for the steps no decode graph runs (an engine
     without graphs, an offload engine's steps over host blocks): one short row (one split, written directly),
-    and a short beside a long one (several splits, merged)."""
+    a short beside a long one (several splits, merged) and a long one alone (split at one pipeline stage:
+    `decode_num_stages`)."""
     long_row, short = _decode_row_lengths(max_model_len)
-    return [([1], [short]), ([1, 1], [short, long_row])]
+    return [([1], [short]), ([1, 1], [short, long_row]), ([1], [long_row])]
 
 
 def _decode_row_lengths(max_model_len: int) -> tuple[int, int]:
