@@ -22,6 +22,7 @@ import triton.language as tl
 
 from nanovllm.kernels import dependent_launch
 from nanovllm.kernels.dependent_launch import let_next_start, wait_for_previous
+from nanovllm.kernels.triton_fused import _round  # the same rounding as the RoPE and SiLU kernels
 from nanovllm.kernels.sizes import cdiv, next_power_of_2
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
@@ -118,11 +119,6 @@ def _gemv_kernel(
         written = m_mask[:, None] & (n_mask & (offs_n >= Q_COLS))[None, :]
         tl.store(k_cache_ptr + to_slot, out, mask=written & ~is_v[None, :])
         tl.store(v_cache_ptr + to_slot, out, mask=written & is_v[None, :])
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    return x.to(dtype).to(tl.float32)
 
 
 def gemv_tiles(n: int, k: int) -> tuple[int, int]:
