@@ -13,7 +13,8 @@ step() {  # name, timeout, bench script and its arguments
   local name=$1 limit=$2; shift 2
   (cd bench && PYTHONPATH=$PYTHONPATH:$PWD OUT=$out/$name timeout $limit python3 -u "$@") 2>&1 \
     | grep -v "^Triton compiled\|it/s\]" > $out/$name.log
-  if [ $name = serving ]; then tail -6 $out/$name.log; else grep "ms/token\|% of the floor\|prefill\|start-up" $out/$name.log; fi
+  if [ $name = serving ]; then tail -6 $out/$name.log
+  else grep "ms/token\|% of the floor\|prefill\|start-up" $out/$name.log; fi
   bundle
 }
 step latency 240 latency.py --prefill-contexts 32768 --async-scheduling
