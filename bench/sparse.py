@@ -322,16 +322,19 @@ def with_key_copy(llm: LLM, bits: int = 8) -> QuestSelector:
 
 def set_variant(llm, variant: str) -> None:
     """The XAttention engine as the default ("default"), with its estimate's tiles by a flip and layout copies
-    ("flip_copy") or with the prefill kernel's programs over a KV head's query heads ("packed_heads")."""
+    ("flip_copy"), with the prefill kernel's programs over a KV head's query heads ("packed_heads") or with the
+    Triton estimate ("fused_estimate")."""
     selector = llm.runner.worker.selector
     if not isinstance(selector, XAttentionSelector):
         raise TypeError(f"the XAttention engine's selector is a {type(selector).__name__}")
     selector.one_copy_tiles = variant != "flip_copy"
+    selector.fused_estimate = variant == "fused_estimate"
     llm.runner.worker.backend.pack_heads = variant == "packed_heads"
 
 
 def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
-                       flip_copy_peer: bool = False, packed_heads_peer: bool = False, **options) -> dict:
+                       flip_copy_peer: bool = False, packed_heads_peer: bool = False, fused_estimate_peer: bool = False,
+                       **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
     untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
@@ -341,7 +344,8 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     model's max_position_embeddings prefills one token fewer. flip_copy_peer: the XAttention engine timed also with
     its estimate's tiles made by a flip and layout copies (`XAttentionSelector.one_copy_tiles` off);
     packed_heads_peer: also with the prefill kernel's programs over a KV head's query heads (the backend's
-    `pack_heads`). options: further engine options (both engines)."""
+    `pack_heads`); fused_estimate_peer: also with the Triton estimate (`XAttentionSelector.fused_estimate`).
+    options: further engine options (both engines)."""
     import time
 
     from nanovllm.config import load_hf_config
@@ -356,7 +360,7 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     vocab = engines["full"].config.hf_config["vocab_size"]
     prompt = random_prompts(vocab, 1, context, context)[0]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer}
+    peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer, "fused_estimate": fused_estimate_peer}
     runs = [("full", "default"), ("xattention", "default")] + [("xattention", v) for v, on in peers.items() if on]
     seconds, density = {run: [] for run in runs}, None
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -468,6 +472,9 @@ def main() -> None:
     ap.add_argument("--packed-heads-peer", action="store_true",
                     help="the end-to-end prefill's XAttention engine also with the prefill kernel's programs over a KV "
                          "head's query heads (the backend's pack_heads)")
+    ap.add_argument("--fused-estimate-peer", action="store_true",
+                    help="the end-to-end prefill's XAttention engine also with the Triton estimate "
+                         "(XAttentionSelector.fused_estimate)")
     ap.add_argument("--e2e-chunk", type=int, default=8192,
                     help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
@@ -491,7 +498,8 @@ def main() -> None:
     for context in args.e2e_contexts:
         results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
             args.config, context, args.e2e_threshold, args.e2e_cover, flip_copy_peer=args.flip_copy_peer,
-            packed_heads_peer=args.packed_heads_peer, max_num_batched_tokens=args.e2e_chunk))
+            packed_heads_peer=args.packed_heads_peer, fused_estimate_peer=args.fused_estimate_peer,
+            max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)

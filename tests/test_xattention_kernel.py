@@ -12,8 +12,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # seq_len, n_q (a first query mid-tile where seq_len - n_q is no multiple of the stride), stride, granule,
 # KV heads, group, head_dim
-SHAPES = [(200, 200, 4, 16, 2, 2, 16), (301, 123, 8, 32, 1, 4, 32), (450, 77, 4, 16, 2, 1, 24),
-          (700, 333, 8, 16, 1, 4, 16)]
+SHAPES = [(200, 200, 4, 16, 2, 2, 16), (301, 123, 8, 32, 1, 4, 32), (450, 77, 4, 16, 2, 1, 64),
+          (700, 333, 8, 16, 1, 4, 16), (512, 256, 8, 32, 2, 2, 32)]  # the last: whole tiles, the inputs in place
 
 
 def inputs(seq_len, n_q, kv_heads, group, dim, dtype):
@@ -37,11 +37,43 @@ def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_hea
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_xattention import estimate_granule_mass
 
+    from nanovllm.kernels.triton_xattention import EstimateConfig, estimate_granule_mass
+
     q, keys = inputs(seq_len, n_q, kv_heads, group, dim, dtype)
     want, first = selector(stride, granule, "head", False).granule_mass(q.float(), keys.float(), granule)
     got = estimate_granule_mass(q.to(DEVICE), keys.to(DEVICE), stride, granule, first * granule, seq_len,
-                                block_tiles=16).cpu()
+                                EstimateConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)).cpu()
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+
+
+def test_kernel_reads_queries_in_place_from_a_wider_projection():
+    """Queries as the model has them, a view of the fused q/k/v projection's output (rows wider than the query
+    heads): the kernel reads them through a descriptor in place and its masses equal those of a contiguous copy,
+    and of the reference; keys ending mid-tile take the padded copy."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.triton_xattention import EstimateConfig, estimate_granule_mass, tile_rows
+
+    q, keys = inputs(512, 256, 2, 2, 32, torch.float32)
+    qkv = torch.cat([q.flatten(1), keys[-256:].flatten(1), keys[-256:].flatten(1)], 1).to(DEVICE)
+    in_place = qkv[:, : 4 * 32].view(256, 4, 32)
+    assert tile_rows(in_place, 0, 8)[0].data_ptr() == in_place.data_ptr()
+    config = EstimateConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    got = estimate_granule_mass(in_place, keys.to(DEVICE), 8, 32, 256, 512, config)
+    torch.testing.assert_close(got, estimate_granule_mass(q.to(DEVICE), keys.to(DEVICE), 8, 32, 256, 512, config))
+    want, first = selector(8, 32, "head", False).granule_mass(q, keys, 32)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+    assert tile_rows(keys[:509], 0, 8)[0].shape == (512, 2 * 32)
+
+
+def test_shapes_the_kernel_does_not_take_run_the_torch_path():
+    """A head_dim of 24 (no reduction step divides it) and a stride of 3: the selector asked for the Triton
+    estimate makes its masses through the PyTorch path, equal to the reference."""
+    for stride, granule, dim in ((4, 16, 24), (3, 12, 16)):
+        q, keys = inputs(300, 100, 1, 2, dim, torch.float32)
+        fused = selector(stride, granule, "head", True)
+        assert fused._fused_estimate(q, granule) is None
+        got, _ = fused.granule_mass(q, keys, granule)
+        torch.testing.assert_close(got, selector(stride, granule, "head", False).granule_mass(q, keys, granule)[0])
 
 
 @pytest.mark.parametrize("cover", ["head", "group"])

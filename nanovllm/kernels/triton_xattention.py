@@ -1,80 +1,93 @@
 """XAttention's estimate in one Triton kernel: granule masses without the [heads, query tiles, key tiles] scores.
 
 Queries and keys are cut into tiles of `stride` positions. The score of (query tile t, key tile u) is the
-sum over j of q[t*S + S-1-j] . k[u*S + j] (the tile's antidiagonal), times 1/(sqrt(D)*S); each query tile
+sum over j of q[t*S + j] . k[u*S + S-1-j] (the tile's antidiagonal), times 1/(sqrt(D)*S); each query tile
 and head takes a softmax over its causally visible key tiles (u <= t), and the probabilities are summed
 over the tiles of each (query granule, key granule). `XAttentionSelector.granule_mass`'s PyTorch path
 (`antidiagonal_scores`, a softmax, one sum per granule) is the reference. `softmax_granule_sums` is the second
 half of that path alone: the softmax and the granule sums of given scores, without writing probabilities.
 
-One program per (block of BLOCK_M query tiles, whole query granules; query head), reading q [n_q, Hq, D]
-and keys [seq_len, Hk, D] in place (a zero for rows before the first query or past the last key). One
-pass over the visible key tiles in blocks of BLOCK_N (whole key granules): an online softmax (running
-max m and sum l per query tile) and, per block, each query tile's exp-sums per key granule relative to
-the running max of that moment, written to a scratch [Hq, tiles, key granules] (granule/stride times
-smaller than the scores) with that max. An epilogue in the same program rescales them by
-exp(m_block - m) / l and sums the query tiles of each query granule: the matrix products are done once.
+The scores are a matrix product: viewed as [tiles, S * row stride], a tile's S rows side by side, the queries
+and keys are its operands, the step over the S * D reduction taking query row j's columns and key row S-1-j's.
+Both views are tensor descriptors over the tensors in place (a padded copy only where the rows do not fill
+whole tiles), so the product runs on TMA loads like a GEMM. One program per (block of BLOCK_M query tiles,
+whole query granules; query head), longest rows first, one pass over the visible key tiles in blocks of
+BLOCK_N (whole key granules): an online softmax (running max m and sum l per query tile) and, per block, each
+query tile's exp-sums per key granule relative to the running max of that moment, written to a scratch
+[Hq, tiles, key granules] (granule/stride times smaller than the scores) with that max. An epilogue in the
+same program rescales them by exp(m_block - m) / l and sums the query tiles of each query granule.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.sizes import cdiv, next_power_of_2
+from nanovllm.kernels.sizes import cdiv
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
 
-BLOCK_TILES = 64  # query tiles and key tiles per block (rounded up to whole granules)
-NUM_WARPS = 4
 LOG2_E = tl.constexpr(1.4426950408889634)  # constexpr: read inside @triton.jit
 
 
-@triton.jit(do_not_specialize=["seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "stride_qt",
-                               "stride_kt"])  # lengths vary by sequence and chunk
+@dataclass(frozen=True)
+class EstimateConfig:
+    """The estimate kernel's launch: query and key tiles per block (rounded up to whole granules), warps and
+    pipeline stages of the reduction loop."""
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@triton.jit(do_not_specialize=["seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "num_blocks",
+                               "q_row_stride", "k_row_stride"])  # lengths vary by sequence and chunk
 def _estimate_kernel(
-    q_ptr, k_ptr, out_ptr, part_ptr, max_ptr, seq_len, start, first_row_tile, row_tiles, num_granules, scale_log2,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr,
-    GROUP: tl.constexpr, STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_desc, k_desc, out_ptr, part_ptr, max_ptr, seq_len, start, first_row_tile, row_tiles, num_granules, num_blocks,
+    q_row_stride, k_row_stride, scale_log2, stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr,
+    GROUP: tl.constexpr, STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    block = tl.program_id(0)
+    block = num_blocks - 1 - tl.program_id(0)  # the last query tiles see the most key tiles: they go first
     head = tl.program_id(1)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # query tiles, counted from the chunk's first
     t = first_row_tile + rows
     num_key_tiles = (seq_len + STRIDE - 1) // STRIDE
     row_ok = (rows < row_tiles) & (t >= start // STRIDE) & (t < num_key_tiles)
-    d = tl.arange(0, BLOCK_D)
-    q_head = q_ptr + head * stride_qh + d[None, :]
-    k_head = k_ptr + (head // GROUP) * stride_kh + d[:, None]
+    q_column = head * HEAD_DIM
+    k_column = (head // GROUP) * HEAD_DIM + (STRIDE - 1) * k_row_stride  # key row S-1 pairs with query row 0
     last_tile = tl.minimum(first_row_tile + block * BLOCK_M + BLOCK_M - 1, num_key_tiles - 1)
     key_blocks = last_tile // BLOCK_N + 1
     KEY_GRANULES: tl.constexpr = BLOCK_N // TILES_PER_GRANULE
+    PARTS: tl.constexpr = HEAD_DIM // BLOCK_K
     granules = tl.arange(0, KEY_GRANULES)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     for kb in range(key_blocks):
-        u = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for j in range(STRIDE):
-            query = (t * STRIDE + (STRIDE - 1 - j) - start).to(tl.int64)  # the query row paired with key row j
-            q = tl.load(q_head + query[:, None] * stride_qt,
-                        mask=((query >= 0) & (query < seq_len - start))[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-            key = (u * STRIDE + j).to(tl.int64)  # int64: key * stride_kt passes 2**31 at long contexts
-            k = tl.load(k_head + key[None, :] * stride_kt, mask=(key < seq_len)[None, :] & (d < HEAD_DIM)[:, None],
-                        other=0.0)
-            acc = tl.dot(q, k, acc, input_precision=PRECISION)
+        for step in tl.range(STRIDE * PARTS, num_stages=NUM_STAGES):
+            j = step // PARTS
+            part = (step % PARTS) * BLOCK_K
+            q = q_desc.load([block * BLOCK_M, q_column + j * q_row_stride + part])
+            k = k_desc.load([kb * BLOCK_N, k_column - j * k_row_stride + part])
+            acc = tl.dot(q, k.T, acc, input_precision=PRECISION)
+        u = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         visible = (u[None, :] <= t[:, None]) & (u < num_key_tiles)[None, :]  # key tile 0 always is: m stays finite
         s = tl.where(visible, acc * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         l = l * tl.exp2(m - m_new) + tl.sum(p, axis=1)
         m = m_new
-        part = tl.sum(tl.reshape(p, [BLOCK_M, KEY_GRANULES, TILES_PER_GRANULE]), axis=2)
-        tl.store(part_ptr + head * stride_ph + rows[:, None] * stride_pr + (kb * KEY_GRANULES + granules)[None, :], part)
+        sums = tl.sum(tl.reshape(p, [BLOCK_M, KEY_GRANULES, TILES_PER_GRANULE]), axis=2)
+        columns = kb * KEY_GRANULES + granules
+        tl.store(part_ptr + head * stride_ph + rows[:, None] * stride_pr + columns[None, :], sums)
         tl.store(max_ptr + head * stride_mh + rows * stride_mr + kb, m)
     tl.debug_barrier()  # the epilogue's threads read what other threads of the program wrote
     weight = tl.where(row_ok, 1.0 / l, 0.0)
@@ -82,43 +95,78 @@ def _estimate_kernel(
     query_granules = block * QUERY_GRANULES + tl.arange(0, QUERY_GRANULES)
     for kb in range(key_blocks):
         g = kb * KEY_GRANULES + granules
-        part = tl.load(part_ptr + head * stride_ph + rows[:, None] * stride_pr + g[None, :])
+        sums = tl.load(part_ptr + head * stride_ph + rows[:, None] * stride_pr + g[None, :])
         m_then = tl.load(max_ptr + head * stride_mh + rows * stride_mr + kb)
-        scaled = part * (tl.exp2(m_then - m) * weight)[:, None]
+        scaled = sums * (tl.exp2(m_then - m) * weight)[:, None]
         mass = tl.sum(tl.reshape(scaled, [QUERY_GRANULES, TILES_PER_GRANULE, KEY_GRANULES]), axis=1)
         tl.store(out_ptr + head * stride_oh + query_granules[:, None] * stride_or + g[None, :], mass,
                  mask=(query_granules < row_tiles // TILES_PER_GRANULE)[:, None] & (g < num_granules)[None, :])
 
 
+def estimate_applies(q: torch.Tensor, stride: int, granule: int) -> bool:
+    """The kernel takes these: the stride and tiles per granule powers of two, a head_dim of 16-256 whose
+    reduction steps (`_block_k`) divide it, 16- or 32-bit queries."""
+    head_dim, tiles = q.shape[-1], granule // stride
+    powers = not (stride & (stride - 1) or tiles & (tiles - 1))
+    return powers and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and 16 <= head_dim <= 256 and \
+        head_dim % _block_k(q) == 0
+
+
+def _block_k(q: torch.Tensor) -> int:
+    """Columns per reduction step: 128 bytes of a row (TMA's swizzled width), at most the head_dim."""
+    return min(128 // q.element_size(), 1 << (q.shape[-1].bit_length() - 1))
+
+
+def tile_rows(x: torch.Tensor, front: int, stride: int) -> tuple[torch.Tensor, int]:
+    """x [n, H, D] as rows of `stride` positions side by side ([tiles, stride * row stride] with `front` zero
+    positions first and zeros after the last to whole tiles) and that row stride: x itself where it is laid out
+    so (no zeros to add, heads of D contiguous columns, 16-byte aligned), else a padded copy."""
+    n, heads, dim = x.shape
+    aligned = x.stride(2) == 1 and x.stride(1) == dim and x.stride(0) * x.element_size() % 16 == 0 and \
+        x.data_ptr() % 16 == 0
+    if front or n % stride or not aligned:
+        x = F.pad(x.reshape(n, heads * dim), (0, 0, front, -(front + n) % stride))
+    return x, x.stride(0)
+
+
+def _descriptor(rows: torch.Tensor, row_stride: int, stride: int, block_rows: int, block_k: int) -> TensorDescriptor:
+    tiles = -(-rows.shape[0] // stride)
+    return TensorDescriptor(rows, [tiles, stride * row_stride], [stride * row_stride, 1], [block_rows, block_k])
+
+
 def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, granule: int, lo: int, hi: int,
-                          block_tiles: int = BLOCK_TILES, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                          config: EstimateConfig = EstimateConfig()) -> torch.Tensor:
     """[Hq, query granules of [lo, hi), key granules of seq_len] float32 estimated masses. q [n_q, Hq, D] are
     the last n_q of the seq_len positions of keys [seq_len, Hk, D]; lo is a multiple of the granule, hi one
-    or seq_len; the stride divides the granule, both powers of two."""
+    or seq_len; `estimate_applies` holds."""
     n_q, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = keys.shape[:2]
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if keys.stride(2) != 1:
-        keys = keys.contiguous()
+    start = seq_len - n_q
+    first = max(lo, start)
+    q_rows, q_row_stride = tile_rows(q[first - start : hi - start], first - lo, stride)
+    k_rows, k_row_stride = tile_rows(keys[:hi], 0, stride)
     tiles_per_granule = granule // stride
-    block_m = block_n = max(block_tiles, tiles_per_granule, 16)  # tl.dot's smallest shape is 16
+    block_m = max(config.block_m, tiles_per_granule, 16)  # tl.dot's smallest shape is 16
+    block_n = max(config.block_n, tiles_per_granule, 16)
+    block_k = _block_k(q)
     rows = -(-(hi - lo) // granule)
     num_granules = -(-seq_len // granule)
-    num_key_tiles = -(-seq_len // stride)
     grid = (cdiv(rows * tiles_per_granule, block_m), num_heads)
-    scratch_rows, key_blocks = grid[0] * block_m, cdiv(num_key_tiles, block_n)
+    scratch_rows, key_blocks = grid[0] * block_m, cdiv(-(-hi // stride), block_n)
     out = torch.zeros(num_heads, rows, num_granules, dtype=torch.float32, device=q.device)
     part = torch.empty(num_heads, scratch_rows, key_blocks * (block_n // tiles_per_granule), dtype=torch.float32,
                        device=q.device)
     running_max = torch.empty(num_heads, scratch_rows, key_blocks, dtype=torch.float32, device=q.device)
     _estimate_kernel[grid](
-        q, keys, out, part, running_max, seq_len, seq_len - n_q, lo // stride, rows * tiles_per_granule, num_granules,
-        LOG2_E.value / (math.sqrt(head_dim) * stride), q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-        out.stride(0), out.stride(1), part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1),
-        GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)),
+        _descriptor(q_rows, q_row_stride, stride, block_m, block_k),
+        _descriptor(k_rows, k_row_stride, stride, block_n, block_k), out, part, running_max, seq_len, start,
+        lo // stride, rows * tiles_per_granule, num_granules, grid[0], q_row_stride, k_row_stride,
+        LOG2_E.value / (math.sqrt(head_dim) * stride), out.stride(0), out.stride(1), part.stride(0), part.stride(1),
+        running_max.stride(0), running_max.stride(1),
+        GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_K=block_k,
         TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
     )
     return out
 

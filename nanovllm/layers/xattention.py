@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from nanovllm.engine.kv_cache import PagedKVCache
 
 ESTIMATE_CHUNK = 8192  # XAttention's estimate takes queries in chunks of about this many tokens
+FUSED_ESTIMATE_CHUNK = 32768  # the same for the Triton estimate, whose scratch is granule/stride times smaller
 
 
 class XAttentionSelector(BlockSelector):
@@ -159,7 +160,7 @@ class XAttentionSelector(BlockSelector):
         return keep[:, query_granules][:, :, key_granules]
 
     def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int,
-                     chunk: int = ESTIMATE_CHUNK) -> tuple[torch.Tensor, int]:
+                     chunk: int | None = None) -> tuple[torch.Tensor, int]:
         """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
         holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
         the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
@@ -171,8 +172,9 @@ class XAttentionSelector(BlockSelector):
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
         tiles_per_granule = granule // self.stride
-        step = max(granule, chunk // granule * granule)
         fused = self._fused_estimate(q, granule)
+        chunk = chunk or (ESTIMATE_CHUNK if fused is None else FUSED_ESTIMATE_CHUNK)
+        step = max(granule, chunk // granule * granule)
         key_rows = None if fused is not None else key_tile_rows(keys, self.stride, q, self.one_copy_tiles)
         sums_kernel = self._granule_sums_kernel(q, granule)
         parts = []
@@ -220,16 +222,17 @@ class XAttentionSelector(BlockSelector):
         return softmax_granule_sums
 
     def _fused_estimate(self, q: torch.Tensor, granule: int):
-        """The Triton estimate (kernels/triton_xattention.py) where it is asked for and applies (the stride
-        and granule powers of two); else None, and the PyTorch path, its reference, runs."""
-        tiles_per_granule = granule // self.stride
-        if not self.fused_estimate or self.stride & (self.stride - 1) or tiles_per_granule & (tiles_per_granule - 1):
+        """The Triton estimate (kernels/triton_xattention.py) where it is asked for and applies (its shapes,
+        and tensor descriptors: Hopper or newer, or the CPU interpreter); else None, and the PyTorch path, its
+        reference, runs."""
+        if not self.fused_estimate:
             return None
         try:
-            from nanovllm.kernels.triton_xattention import estimate_granule_mass
+            from nanovllm.kernels.triton_paged_attention import _has_tma
+            from nanovllm.kernels.triton_xattention import estimate_applies, estimate_granule_mass
         except ImportError:
             return None
-        return estimate_granule_mass
+        return estimate_granule_mass if _has_tma(q.device) and estimate_applies(q, self.stride, granule) else None
 
     def _fewest_covering(self, blocks: torch.Tensor) -> torch.Tensor:
         """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""
