@@ -42,7 +42,7 @@ def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_hea
     q, keys = inputs(seq_len, n_q, kv_heads, group, dim, dtype)
     want, first = selector(stride, granule, "head", False).granule_mass(q.float(), keys.float(), granule)
     got = estimate_granule_mass(q.to(DEVICE), keys.to(DEVICE), stride, granule, first * granule, seq_len,
-                                EstimateConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)).cpu()
+                                EstimateConfig(block_m=16, block_n=16, split_blocks=2, num_warps=4, num_stages=2)).cpu()
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
 
 
@@ -57,7 +57,7 @@ def test_kernel_reads_queries_in_place_from_a_wider_projection():
     qkv = torch.cat([q.flatten(1), keys[-256:].flatten(1), keys[-256:].flatten(1)], 1).to(DEVICE)
     in_place = qkv[:, : 4 * 32].view(256, 4, 32)
     assert tile_rows(in_place, 0, 8)[0].data_ptr() == in_place.data_ptr()
-    config = EstimateConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    config = EstimateConfig(block_m=16, block_n=16, split_blocks=2, num_warps=4, num_stages=2)
     got = estimate_granule_mass(in_place, keys.to(DEVICE), 8, 32, 256, 512, config)
     torch.testing.assert_close(got, estimate_granule_mass(q.to(DEVICE), keys.to(DEVICE), 8, 32, 256, 512, config))
     want, first = selector(8, 32, "head", False).granule_mass(q, keys, 32)

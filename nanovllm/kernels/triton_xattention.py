@@ -38,39 +38,43 @@ LOG2_E = tl.constexpr(1.4426950408889634)  # constexpr: read inside @triton.jit
 
 @dataclass(frozen=True)
 class EstimateConfig:
-    """The estimate kernel's launch: query and key tiles per block (rounded up to whole granules), warps and
-    pipeline stages of the reduction loop."""
+    """The estimate's launch: query and key tiles per block (rounded up to whole granules), key blocks per
+    program (a row's key blocks split over programs, so that programs running together share their queries' and
+    keys' tiles in L2), warps and pipeline stages of the reduction loop."""
     block_m: int = 128
     block_n: int = 128
+    split_blocks: int = 4
     num_warps: int = 8
     num_stages: int = 3
 
 
-@triton.jit(do_not_specialize=["seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "num_blocks",
-                               "q_row_stride", "k_row_stride"])  # lengths vary by sequence and chunk
+@triton.jit(do_not_specialize=["seq_len", "first_row_tile", "num_blocks", "num_splits", "q_row_stride",
+                               "k_row_stride"])  # lengths vary by sequence and chunk
 def _estimate_kernel(
-    q_desc, k_desc, out_ptr, part_ptr, max_ptr, seq_len, start, first_row_tile, row_tiles, num_granules, num_blocks,
-    q_row_stride, k_row_stride, scale_log2, stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr,
+    q_desc, k_desc, part_ptr, max_ptr, split_max_ptr, split_sum_ptr, seq_len, first_row_tile, num_blocks, num_splits,
+    q_row_stride, k_row_stride, scale_log2, stride_ph, stride_pr, stride_mh, stride_mr, stride_sh, stride_sr,
     GROUP: tl.constexpr, STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    block = num_blocks - 1 - tl.program_id(0)  # the last query tiles see the most key tiles: they go first
+    """One (block of query tiles, split of SPLIT_BLOCKS key blocks; query head): per key block the scores'
+    exp-sums per key granule relative to the running max of that moment, with that max; the split's running max
+    and sum per query tile at its end."""
+    block = num_blocks - 1 - tl.program_id(0) // num_splits  # the last query tiles see the most keys: first
+    split = tl.program_id(0) % num_splits
     head = tl.program_id(1)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # query tiles, counted from the chunk's first
     t = first_row_tile + rows
     num_key_tiles = (seq_len + STRIDE - 1) // STRIDE
-    row_ok = (rows < row_tiles) & (t >= start // STRIDE) & (t < num_key_tiles)
     q_column = head * HEAD_DIM
     k_column = (head // GROUP) * HEAD_DIM + (STRIDE - 1) * k_row_stride  # key row S-1 pairs with query row 0
     last_tile = tl.minimum(first_row_tile + block * BLOCK_M + BLOCK_M - 1, num_key_tiles - 1)
-    key_blocks = last_tile // BLOCK_N + 1
     KEY_GRANULES: tl.constexpr = BLOCK_N // TILES_PER_GRANULE
     PARTS: tl.constexpr = HEAD_DIM // BLOCK_K
     granules = tl.arange(0, KEY_GRANULES)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    for kb in range(key_blocks):
+    for kb in range(split * SPLIT_BLOCKS, tl.minimum(split * SPLIT_BLOCKS + SPLIT_BLOCKS, last_tile // BLOCK_N + 1)):
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for step in tl.range(STRIDE * PARTS, num_stages=NUM_STAGES):
             j = step // PARTS
@@ -79,19 +83,50 @@ def _estimate_kernel(
             k = k_desc.load([kb * BLOCK_N, k_column - j * k_row_stride + part])
             acc = tl.dot(q, k.T, acc, input_precision=PRECISION)
         u = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-        visible = (u[None, :] <= t[:, None]) & (u < num_key_tiles)[None, :]  # key tile 0 always is: m stays finite
+        visible = (u[None, :] <= t[:, None]) & (u < num_key_tiles)[None, :]
         s = tl.where(visible, acc * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        l = l * tl.exp2(m - m_new) + tl.sum(p, axis=1)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
+        p = tl.exp2(s - shift[:, None])
+        l = l * tl.exp2(m - shift) + tl.sum(p, axis=1)
         m = m_new
         sums = tl.sum(tl.reshape(p, [BLOCK_M, KEY_GRANULES, TILES_PER_GRANULE]), axis=2)
         columns = kb * KEY_GRANULES + granules
         tl.store(part_ptr + head * stride_ph + rows[:, None] * stride_pr + columns[None, :], sums)
-        tl.store(max_ptr + head * stride_mh + rows * stride_mr + kb, m)
-    tl.debug_barrier()  # the epilogue's threads read what other threads of the program wrote
-    weight = tl.where(row_ok, 1.0 / l, 0.0)
+        tl.store(max_ptr + head * stride_mh + rows * stride_mr + kb, shift)
+    tl.store(split_max_ptr + head * stride_sh + rows * stride_sr + split, m)
+    tl.store(split_sum_ptr + head * stride_sh + rows * stride_sr + split, l)
+
+
+@triton.jit(do_not_specialize=["seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "num_blocks",
+                               "num_splits"])
+def _estimate_epilogue_kernel(
+    out_ptr, part_ptr, max_ptr, split_max_ptr, split_sum_ptr, seq_len, start, first_row_tile, row_tiles,
+    num_granules, num_blocks, num_splits, stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr, stride_sh,
+    stride_sr, STRIDE: tl.constexpr, TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """One (block of query tiles; query head): the splits' maxima and sums merged into each query tile's softmax
+    statistics, every key block's exp-sums rescaled by them, the query tiles of each query granule summed."""
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = first_row_tile + rows
+    num_key_tiles = (seq_len + STRIDE - 1) // STRIDE
+    row_ok = (rows < row_tiles) & (t >= start // STRIDE) & (t < num_key_tiles)
+    last_tile = tl.minimum(first_row_tile + block * BLOCK_M + BLOCK_M - 1, num_key_tiles - 1)
+    key_blocks = last_tile // BLOCK_N + 1
+    splits = tl.arange(0, SPLITS)
+    used = splits[None, :] < tl.cdiv(key_blocks, SPLIT_BLOCKS)
+    stats = head * stride_sh + rows[:, None] * stride_sr + splits[None, :]
+    split_max = tl.load(split_max_ptr + stats, mask=used, other=float("-inf"))
+    m = tl.max(split_max, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.load(split_sum_ptr + stats, mask=used, other=0.0) * tl.exp2(split_max - m[:, None]), axis=1)
+    weight = tl.where(row_ok & (l > 0), 1.0 / tl.where(l > 0, l, 1.0), 0.0)
+    KEY_GRANULES: tl.constexpr = BLOCK_N // TILES_PER_GRANULE
     QUERY_GRANULES: tl.constexpr = BLOCK_M // TILES_PER_GRANULE
+    granules = tl.arange(0, KEY_GRANULES)
     query_granules = block * QUERY_GRANULES + tl.arange(0, QUERY_GRANULES)
     for kb in range(key_blocks):
         g = kb * KEY_GRANULES + granules
@@ -148,25 +183,32 @@ def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, gran
     tiles_per_granule = granule // stride
     block_m = max(config.block_m, tiles_per_granule, 16)  # tl.dot's smallest shape is 16
     block_n = max(config.block_n, tiles_per_granule, 16)
-    block_k = _block_k(q)
     rows = -(-(hi - lo) // granule)
     num_granules = -(-seq_len // granule)
-    grid = (cdiv(rows * tiles_per_granule, block_m), num_heads)
-    scratch_rows, key_blocks = grid[0] * block_m, cdiv(-(-hi // stride), block_n)
-    out = torch.zeros(num_heads, rows, num_granules, dtype=torch.float32, device=q.device)
-    part = torch.empty(num_heads, scratch_rows, key_blocks * (block_n // tiles_per_granule), dtype=torch.float32,
-                       device=q.device)
-    running_max = torch.empty(num_heads, scratch_rows, key_blocks, dtype=torch.float32, device=q.device)
-    _estimate_kernel[grid](
+    num_blocks, key_blocks = cdiv(rows * tiles_per_granule, block_m), cdiv(-(-hi // stride), block_n)
+    num_splits = cdiv(key_blocks, config.split_blocks)
+    scratch = dict(dtype=torch.float32, device=q.device)
+    out = torch.zeros(num_heads, rows, num_granules, **scratch)
+    part = torch.empty(num_heads, num_blocks * block_m, key_blocks * (block_n // tiles_per_granule), **scratch)
+    running_max = torch.empty(num_heads, num_blocks * block_m, key_blocks, **scratch)
+    split_max, split_sum = (torch.empty(num_heads, num_blocks * block_m, num_splits, **scratch) for _ in range(2))
+    block_k = _block_k(q)
+    _estimate_kernel[(num_blocks * num_splits, num_heads)](
         _descriptor(q_rows, q_row_stride, stride, block_m, block_k),
-        _descriptor(k_rows, k_row_stride, stride, block_n, block_k), out, part, running_max, seq_len, start,
-        lo // stride, rows * tiles_per_granule, num_granules, grid[0], q_row_stride, k_row_stride,
-        LOG2_E.value / (math.sqrt(head_dim) * stride), out.stride(0), out.stride(1), part.stride(0), part.stride(1),
-        running_max.stride(0), running_max.stride(1),
-        GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_K=block_k,
-        TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n,
+        _descriptor(k_rows, k_row_stride, stride, block_n, block_k), part, running_max, split_max, split_sum, seq_len,
+        lo // stride, num_blocks, num_splits, q_row_stride, k_row_stride, LOG2_E.value / (math.sqrt(head_dim) * stride),
+        part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1), split_max.stride(0),
+        split_max.stride(1), GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_K=block_k,
+        TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_BLOCKS=config.split_blocks,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
+    )
+    _estimate_epilogue_kernel[(num_blocks, num_heads)](
+        out, part, running_max, split_max, split_sum, seq_len, start, lo // stride, rows * tiles_per_granule,
+        num_granules, num_blocks, num_splits, out.stride(0), out.stride(1), part.stride(0), part.stride(1),
+        running_max.stride(0), running_max.stride(1), split_max.stride(0), split_max.stride(1), STRIDE=stride,
+        TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_BLOCKS=config.split_blocks,
+        SPLITS=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
     )
     return out
 
