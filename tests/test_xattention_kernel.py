@@ -29,9 +29,10 @@ def selector(stride, granule, cover, fused):
     return s
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("seq_len, n_q, stride, granule, kv_heads, group, dim", SHAPES)
-def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_heads, group, dim, dtype, atol):
+def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_heads, group, dim, dtype, atol, flat):
     """The kernel on (bf16) inputs against the reference on the same values in float32; blocks of 16 tiles
     (several query and key blocks per head at these sizes)."""
     pytest.importorskip("triton")
@@ -42,7 +43,7 @@ def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_hea
     q, keys = inputs(seq_len, n_q, kv_heads, group, dim, dtype)
     want, first = selector(stride, granule, "head", False).granule_mass(q.float(), keys.float(), granule)
     got = estimate_granule_mass(q.to(DEVICE), keys.to(DEVICE), stride, granule, first * granule, seq_len,
-                                EstimateConfig(block_m=16, block_n=16, split_blocks=2, num_warps=4, num_stages=2)).cpu()
+                                EstimateConfig(16, 16, split_blocks=2, num_warps=4, num_stages=2, flat=flat)).cpu()
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
 
 

@@ -46,6 +46,27 @@ class EstimateConfig:
     split_blocks: int = 4
     num_warps: int = 8
     num_stages: int = 3
+    flat: bool = False
+
+
+@triton.jit
+def _fold_block(acc, m, l, t, kb, num_key_tiles, scale_log2, part_ptr, max_ptr, head, rows, stride_ph, stride_pr,
+                stride_mh, stride_mr, TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key block kb's scores acc folded into the running max m and sum l of each query tile t; its exp-sums per
+    key granule (relative to the new running max) and that max written to the scratch. Returns (m, l)."""
+    KEY_GRANULES: tl.constexpr = BLOCK_N // TILES_PER_GRANULE
+    u = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    visible = (u[None, :] <= t[:, None]) & (u < num_key_tiles)[None, :]
+    s = tl.where(visible, acc * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
+    p = tl.exp2(s - shift[:, None])
+    l = l * tl.exp2(m - shift) + tl.sum(p, axis=1)
+    sums = tl.sum(tl.reshape(p, [BLOCK_M, KEY_GRANULES, TILES_PER_GRANULE]), axis=2)
+    columns = kb * KEY_GRANULES + tl.arange(0, KEY_GRANULES)
+    tl.store(part_ptr + head * stride_ph + rows[:, None] * stride_pr + columns[None, :], sums)
+    tl.store(max_ptr + head * stride_mh + rows * stride_mr + kb, shift)
+    return m_new, l
 
 
 @triton.jit(do_not_specialize=["seq_len", "first_row_tile", "num_blocks", "num_splits", "q_row_stride",
@@ -55,7 +76,7 @@ def _estimate_kernel(
     q_row_stride, k_row_stride, scale_log2, stride_ph, stride_pr, stride_mh, stride_mr, stride_sh, stride_sr,
     GROUP: tl.constexpr, STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
-    PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     """One (block of query tiles, split of SPLIT_BLOCKS key blocks; query head): per key block the scores'
     exp-sums per key granule relative to the running max of that moment, with that max; the split's running max
@@ -69,31 +90,36 @@ def _estimate_kernel(
     q_column = head * HEAD_DIM
     k_column = (head // GROUP) * HEAD_DIM + (STRIDE - 1) * k_row_stride  # key row S-1 pairs with query row 0
     last_tile = tl.minimum(first_row_tile + block * BLOCK_M + BLOCK_M - 1, num_key_tiles - 1)
-    KEY_GRANULES: tl.constexpr = BLOCK_N // TILES_PER_GRANULE
     PARTS: tl.constexpr = HEAD_DIM // BLOCK_K
-    granules = tl.arange(0, KEY_GRANULES)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    for kb in range(split * SPLIT_BLOCKS, tl.minimum(split * SPLIT_BLOCKS + SPLIT_BLOCKS, last_tile // BLOCK_N + 1)):
+    kb_lo = split * SPLIT_BLOCKS
+    kb_hi = tl.minimum(kb_lo + SPLIT_BLOCKS, last_tile // BLOCK_N + 1)
+    if FLAT:  # one pipelined loop over every (key block, step): no pipeline drain between key blocks
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for step in tl.range(STRIDE * PARTS, num_stages=NUM_STAGES):
+        for it in tl.range((kb_hi - kb_lo) * STRIDE * PARTS, num_stages=NUM_STAGES):
+            kb = kb_lo + it // (STRIDE * PARTS)
+            step = it % (STRIDE * PARTS)
             j = step // PARTS
             part = (step % PARTS) * BLOCK_K
             q = q_desc.load([block * BLOCK_M, q_column + j * q_row_stride + part])
             k = k_desc.load([kb * BLOCK_N, k_column - j * k_row_stride + part])
             acc = tl.dot(q, k.T, acc, input_precision=PRECISION)
-        u = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-        visible = (u[None, :] <= t[:, None]) & (u < num_key_tiles)[None, :]
-        s = tl.where(visible, acc * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
-        p = tl.exp2(s - shift[:, None])
-        l = l * tl.exp2(m - shift) + tl.sum(p, axis=1)
-        m = m_new
-        sums = tl.sum(tl.reshape(p, [BLOCK_M, KEY_GRANULES, TILES_PER_GRANULE]), axis=2)
-        columns = kb * KEY_GRANULES + granules
-        tl.store(part_ptr + head * stride_ph + rows[:, None] * stride_pr + columns[None, :], sums)
-        tl.store(max_ptr + head * stride_mh + rows * stride_mr + kb, shift)
+            if step == STRIDE * PARTS - 1:
+                m, l = _fold_block(acc, m, l, t, kb, num_key_tiles, scale_log2, part_ptr, max_ptr, head, rows,
+                                   stride_ph, stride_pr, stride_mh, stride_mr, TILES_PER_GRANULE, BLOCK_M, BLOCK_N)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        for kb in range(kb_lo, kb_hi):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for step in tl.range(STRIDE * PARTS, num_stages=NUM_STAGES):
+                j = step // PARTS
+                part = (step % PARTS) * BLOCK_K
+                q = q_desc.load([block * BLOCK_M, q_column + j * q_row_stride + part])
+                k = k_desc.load([kb * BLOCK_N, k_column - j * k_row_stride + part])
+                acc = tl.dot(q, k.T, acc, input_precision=PRECISION)
+            m, l = _fold_block(acc, m, l, t, kb, num_key_tiles, scale_log2, part_ptr, max_ptr, head, rows,
+                               stride_ph, stride_pr, stride_mh, stride_mr, TILES_PER_GRANULE, BLOCK_M, BLOCK_N)
     tl.store(split_max_ptr + head * stride_sh + rows * stride_sr + split, m)
     tl.store(split_sum_ptr + head * stride_sh + rows * stride_sr + split, l)
 
@@ -200,7 +226,7 @@ def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, gran
         part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1), split_max.stride(0),
         split_max.stride(1), GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_K=block_k,
         TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_BLOCKS=config.split_blocks,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_STAGES=config.num_stages,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_STAGES=config.num_stages, FLAT=config.flat,
         num_warps=config.num_warps,
     )
     _estimate_epilogue_kernel[(num_blocks, num_heads)](

@@ -15,9 +15,10 @@ from nanovllm.kernels import triton_xattention as tx
 from nanovllm.layers.xattention import XAttentionSelector
 
 CONTEXT, CHUNK, STRIDE, GRANULE = 131072, 32768, 16, 256  # the engine's granule: its 256-token KV blocks
-CONFIGS = [tx.EstimateConfig(*c) for c in [  # block_m, block_n, split_blocks, num_warps, num_stages
+CONFIGS = [tx.EstimateConfig(*c) for c in [  # block_m, block_n, split_blocks, num_warps, num_stages, flat
     (128, 128, 4, 8, 3), (128, 128, 4, 4, 3), (128, 128, 2, 8, 3), (128, 128, 8, 8, 3), (128, 128, 64, 8, 3),
-    (128, 256, 2, 8, 3), (128, 256, 2, 8, 2), (256, 128, 4, 8, 3)]]
+    (128, 256, 2, 8, 3), (128, 256, 2, 8, 2), (256, 128, 4, 8, 3), (128, 128, 4, 8, 3, True),
+    (128, 128, 8, 8, 3, True), (128, 256, 2, 8, 2, True), (128, 128, 4, 4, 3, True)]]
 
 
 def chunks(q, k):
