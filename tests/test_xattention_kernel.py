@@ -34,10 +34,9 @@ def selector(stride, granule, cover, fused):
 @pytest.mark.parametrize("seq_len, n_q, stride, granule, kv_heads, group, dim", SHAPES)
 def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_heads, group, dim, dtype, atol, flat):
     """The kernel on (bf16) inputs against the reference on the same values in float32; blocks of 16 tiles
-    (several query and key blocks per head at these sizes)."""
+    (several query and key blocks per head at these sizes, rows' key blocks split over programs in pairs), one
+    loop per key block or one over them all."""
     pytest.importorskip("triton")
-    from nanovllm.kernels.triton_xattention import estimate_granule_mass
-
     from nanovllm.kernels.triton_xattention import EstimateConfig, estimate_granule_mass
 
     q, keys = inputs(seq_len, n_q, kv_heads, group, dim, dtype)
