@@ -126,10 +126,9 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
     sparse_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
     estimate_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
     selection = selector.select(0, q, KV_HEADS, sparse_batch(meta))[0]
-    selector.fused_estimate = True  # the Triton estimate, off by default (slower so far)
-    fused_estimate_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
+    selector.fused_estimate = False  # the peer: the PyTorch path (a bmm, then the softmax-granule sums kernel)
+    torch_estimate_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
     agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
-    selector.fused_estimate = False
     selector.fused_granule_sums = False  # the peer: softmax and granule sums in PyTorch (the kernel's reference)
     torch_sums_ms = cuda_ms(lambda: selector.select(0, q, KV_HEADS, sparse_batch(meta)), 3)
     sums_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
@@ -139,6 +138,7 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
     flip_layer_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
     flip_agreement = float((selector.select(0, q, KV_HEADS, sparse_batch(meta))[0] == selection).float().mean())
     selector.one_copy_tiles = True
+    selector.fused_estimate = None
     backend.pack_heads = True  # the peer: the prefill kernel's programs over a KV head's query heads
     packed_ms = cuda_ms(lambda: sparse.attend(0, q, k, v, scale), 3)
     packed = sparse.attend(0, q, k, v, scale).float()
@@ -155,15 +155,15 @@ def prefill_attention(context: int, threshold: float, stride: int, cover: str = 
     flops = 4 * HEADS * DIM * context * context / 2  # QK^T and PV over the causal half
     result = dict(context=context, threshold=threshold, stride=stride, cover=cover, density=density, dense_ms=dense_ms,
                   sdpa_ms=sdpa, sdpa_backend=sdpa_name, sparse_ms=sparse_ms, estimate_ms=estimate_ms,
-                  fused_estimate_ms=fused_estimate_ms, selection_agreement_with_fused_estimate=agreement,
+                  torch_estimate_ms=torch_estimate_ms, selection_agreement_with_torch_estimate=agreement,
                   torch_sums_estimate_ms=torch_sums_ms, selection_agreement_with_torch_sums=sums_agreement,
                   flip_copy_estimate_ms=flip_ms, flip_copy_sparse_ms=flip_layer_ms,
                   selection_agreement_with_flip_copy=flip_agreement, packed_heads_sparse_ms=packed_ms,
                   packed_heads_max_abs_diff=packed_diff, speedup_vs_fastest_dense=fastest_dense / sparse_ms,
                   dense_tflops=flops / dense_ms / 1e9, max_abs_error_vs_dense=error)
     log(f"prefill attention {context}: dense {dense_ms:.1f} ms ({result['dense_tflops']:.0f} TFLOP/s), SDPA "
-        f"{sdpa_name} {sdpa:.1f} ms; XAttention {sparse_ms:.1f} ms (estimate {estimate_ms:.1f}; the Triton "
-        f"estimate's {fused_estimate_ms:.1f}, selections {agreement:.4f} equal; with PyTorch's softmax and granule "
+        f"{sdpa_name} {sdpa:.1f} ms; XAttention {sparse_ms:.1f} ms (estimate {estimate_ms:.1f}; the PyTorch "
+        f"path's {torch_estimate_ms:.1f}, selections {agreement:.4f} equal; with PyTorch's softmax and granule "
         f"sums {torch_sums_ms:.1f}, selections {sums_agreement:.4f} equal; with flip-and-copy tiles {flip_ms:.1f}, "
         f"layer {flip_layer_ms:.1f}, selections {flip_agreement:.4f} equal; with the query heads packed per KV head "
         f"{packed_ms:.1f}, max |diff| {packed_diff:.4f}) at density {density:.3f} -> "
@@ -323,17 +323,17 @@ def with_key_copy(llm: LLM, bits: int = 8) -> QuestSelector:
 def set_variant(llm, variant: str) -> None:
     """The XAttention engine as the default ("default"), with its estimate's tiles by a flip and layout copies
     ("flip_copy"), with the prefill kernel's programs over a KV head's query heads ("packed_heads") or with the
-    Triton estimate ("fused_estimate")."""
+    estimate's PyTorch path instead of the Triton estimate ("torch_estimate"; flip_copy takes that path too)."""
     selector = llm.runner.worker.selector
     if not isinstance(selector, XAttentionSelector):
         raise TypeError(f"the XAttention engine's selector is a {type(selector).__name__}")
     selector.one_copy_tiles = variant != "flip_copy"
-    selector.fused_estimate = variant == "fused_estimate"
+    selector.fused_estimate = False if variant in ("torch_estimate", "flip_copy") else None
     llm.runner.worker.backend.pack_heads = variant == "packed_heads"
 
 
 def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
-                       flip_copy_peer: bool = False, packed_heads_peer: bool = False, fused_estimate_peer: bool = False,
+                       flip_copy_peer: bool = False, packed_heads_peer: bool = False, torch_estimate_peer: bool = False,
                        **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
@@ -344,7 +344,8 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     model's max_position_embeddings prefills one token fewer. flip_copy_peer: the XAttention engine timed also with
     its estimate's tiles made by a flip and layout copies (`XAttentionSelector.one_copy_tiles` off);
     packed_heads_peer: also with the prefill kernel's programs over a KV head's query heads (the backend's
-    `pack_heads`); fused_estimate_peer: also with the Triton estimate (`XAttentionSelector.fused_estimate`).
+    `pack_heads`); torch_estimate_peer: also with the estimate's PyTorch path (`XAttentionSelector.fused_estimate`
+    off: a bmm of the scores, then their softmax and granule sums).
     options: further engine options (both engines)."""
     import time
 
@@ -360,7 +361,7 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     vocab = engines["full"].config.hf_config["vocab_size"]
     prompt = random_prompts(vocab, 1, context, context)[0]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer, "fused_estimate": fused_estimate_peer}
+    peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer, "torch_estimate": torch_estimate_peer}
     runs = [("full", "default"), ("xattention", "default")] + [("xattention", v) for v, on in peers.items() if on]
     seconds, density = {run: [] for run in runs}, None
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -472,9 +473,9 @@ def main() -> None:
     ap.add_argument("--packed-heads-peer", action="store_true",
                     help="the end-to-end prefill's XAttention engine also with the prefill kernel's programs over a KV "
                          "head's query heads (the backend's pack_heads)")
-    ap.add_argument("--fused-estimate-peer", action="store_true",
-                    help="the end-to-end prefill's XAttention engine also with the Triton estimate "
-                         "(XAttentionSelector.fused_estimate)")
+    ap.add_argument("--torch-estimate-peer", action="store_true",
+                    help="the end-to-end prefill's XAttention engine also with the estimate's PyTorch path "
+                         "(XAttentionSelector.fused_estimate off)")
     ap.add_argument("--e2e-chunk", type=int, default=8192,
                     help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
@@ -498,7 +499,7 @@ def main() -> None:
     for context in args.e2e_contexts:
         results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
             args.config, context, args.e2e_threshold, args.e2e_cover, flip_copy_peer=args.flip_copy_peer,
-            packed_heads_peer=args.packed_heads_peer, fused_estimate_peer=args.fused_estimate_peer,
+            packed_heads_peer=args.packed_heads_peer, torch_estimate_peer=args.torch_estimate_peer,
             max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:

@@ -23,12 +23,12 @@ def test_random_weights_prefill_density_follows_the_threshold(tiny_llama):
 def test_a_context_at_the_models_limit_prefills_one_token_fewer(tiny_llama):
     """The H200 run asks for 131072 tokens of a model whose max_position_embeddings is 131072; the flip-and-copy
     peer times the same engine with the other tile layout, the packed-heads peer with the backend's pack_heads, the
-    fused-estimate peer with the Triton estimate."""
+    torch-estimate peer with the estimate's PyTorch path."""
     options = dict(reps=1, device="cpu", dtype="float32", kvcache_block_size=16, xattn_block_size=16, xattn_stride=4,
                    max_num_batched_tokens=256)
     result = e2e_prefill_random(str(tiny_llama), 512, 0.5, cover="head", flip_copy_peer=True, packed_heads_peer=True,
-                                fused_estimate_peer=True, **options)  # the limit
+                                torch_estimate_peer=True, **options)  # the limit
     assert result["context"] == 511 and result["cover"] == "head" and 0 < result["density"] < 1
-    for peer in ("flip_copy", "packed_heads", "fused_estimate"):
+    for peer in ("flip_copy", "packed_heads", "torch_estimate"):
         assert result[f"xattention_{peer}_s"] > 0
         assert result[f"speedup_{peer}"] == result["dense_s"] / result[f"xattention_{peer}_s"]

@@ -29,20 +29,18 @@ def selector(stride, granule, cover, fused):
     return s
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("seq_len, n_q, stride, granule, kv_heads, group, dim", SHAPES)
-def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_heads, group, dim, dtype, atol, flat):
+def test_kernel_masses_equal_the_reference(seq_len, n_q, stride, granule, kv_heads, group, dim, dtype, atol):
     """The kernel on (bf16) inputs against the reference on the same values in float32; blocks of 16 tiles
-    (several query and key blocks per head at these sizes, rows' key blocks split over programs in pairs), one
-    loop per key block or one over them all."""
+    (several query and key blocks per head at these sizes, rows' key blocks split over programs in pairs)."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_xattention import EstimateConfig, estimate_granule_mass
 
     q, keys = inputs(seq_len, n_q, kv_heads, group, dim, dtype)
     want, first = selector(stride, granule, "head", False).granule_mass(q.float(), keys.float(), granule)
     got = estimate_granule_mass(q.to(DEVICE), keys.to(DEVICE), stride, granule, first * granule, seq_len,
-                                EstimateConfig(16, 16, split_blocks=2, num_warps=4, num_stages=2, flat=flat)).cpu()
+                                EstimateConfig(16, 16, split_blocks=2, num_warps=4, num_stages=2)).cpu()
     torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
 
 
@@ -179,3 +177,35 @@ def test_warm_up_runs_the_sums_kernel_variant_a_prefill_runs(monkeypatch, kv_blo
     q, keys = inputs(3 * max(kv_block, xattn_block), 2 * max(kv_block, xattn_block), 2, 2, 16, torch.bfloat16)
     s.sequence_selection(q, keys, kv_block)
     assert len(warmed) == 1 and calls[1:] and set(calls[1:]) == set(warmed)
+
+
+def test_warm_up_runs_the_estimate_variant_a_prefill_runs(monkeypatch):
+    """With the Triton estimate on, XAttentionSelector.warm_up calls it with the dtype, head_dim, stride and
+    granule of a sparse prefill's selection (the kernel's compiled variant: every integer argument is unspecialised,
+    the group too), not the granule-sums kernel. Recorded, not run."""
+    calls = []
+
+    def recorded(q, keys, stride, granule, lo, hi):
+        calls.append((q.dtype, q.shape[-1], stride, granule))
+        return torch.zeros(q.shape[1], -(-(hi - lo) // granule), -(-keys.shape[0] // granule))
+
+    monkeypatch.setattr(XAttentionSelector, "_fused_estimate", lambda self, q, granule: recorded)
+    monkeypatch.setattr(XAttentionSelector, "_granule_sums_kernel", lambda self, q, granule: pytest.fail("sums"))
+    cache = type("Cache", (), {"data": torch.zeros(2, 1, 1, 32, 2, 16, dtype=torch.bfloat16)})()
+    s = XAttentionSelector(cache, None, threshold=0.8, stride=4, block_size=16, min_context=0)
+    s.warm_up(2, torch.device("cpu"))
+    q, keys = inputs(96, 64, 2, 2, 16, torch.bfloat16)
+    s.sequence_selection(q, keys, 32)
+    assert len(calls) == 2 and calls[0] == calls[1] == (torch.bfloat16, 16, 4, 32)
+
+
+def test_the_triton_estimate_is_the_default_for_16_bit_cuda_queries_only():
+    """fused_estimate None (the default): the Triton estimate for bf16 / fp16 queries on CUDA, the PyTorch path for
+    float32 ones and on the CPU; True takes it on the CPU too (Triton's interpreter), False nowhere."""
+    s = selector(4, 16, "head", None)
+    assert s._fused_estimate(torch.zeros(1, 2, 16, dtype=torch.bfloat16), 16) is None
+    if torch.cuda.is_available():
+        assert s._fused_estimate(torch.zeros(1, 2, 16, dtype=torch.bfloat16, device="cuda"), 16) is not None
+        assert s._fused_estimate(torch.zeros(1, 2, 16, device="cuda"), 16) is None
+    assert selector(4, 16, "head", True)._fused_estimate(torch.zeros(1, 2, 16), 16) is not None
+    assert selector(4, 16, "head", False)._fused_estimate(torch.zeros(1, 2, 16, dtype=torch.bfloat16), 16) is None

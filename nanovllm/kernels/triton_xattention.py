@@ -19,6 +19,7 @@ same program rescales them by exp(m_block - m) / l and sums the query tiles of e
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -42,11 +43,10 @@ class EstimateConfig:
     program (a row's key blocks split over programs, so that programs running together share their queries' and
     keys' tiles in L2), warps and pipeline stages of the reduction loop."""
     block_m: int = 128
-    block_n: int = 128
-    split_blocks: int = 4
+    block_n: int = 256
+    split_blocks: int = 2
     num_warps: int = 8
     num_stages: int = 3
-    flat: bool = False
 
 
 @triton.jit
@@ -69,14 +69,19 @@ def _fold_block(acc, m, l, t, kb, num_key_tiles, scale_log2, part_ptr, max_ptr, 
     return m_new, l
 
 
-@triton.jit(do_not_specialize=["seq_len", "first_row_tile", "num_blocks", "num_splits", "q_row_stride",
-                               "k_row_stride"])  # lengths vary by sequence and chunk
+_ESTIMATE_INTS = ["seq_len", "first_row_tile", "num_blocks", "num_splits", "group", "q_row_stride", "k_row_stride",
+                  "stride_ph", "stride_pr", "stride_mh", "stride_mr", "stride_sh", "stride_sr"]
+
+
+# every integer unspecialised: lengths, strides and the group vary by sequence, chunk and model, and the engine's
+# warm-up compiles the one variant its dtype, head_dim, stride and granule make
+@triton.jit(do_not_specialize=_ESTIMATE_INTS)
 def _estimate_kernel(
     q_desc, k_desc, part_ptr, max_ptr, split_max_ptr, split_sum_ptr, seq_len, first_row_tile, num_blocks, num_splits,
-    q_row_stride, k_row_stride, scale_log2, stride_ph, stride_pr, stride_mh, stride_mr, stride_sh, stride_sr,
-    GROUP: tl.constexpr, STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+    group, q_row_stride, k_row_stride, stride_ph, stride_pr, stride_mh, stride_mr, stride_sh, stride_sr, scale_log2,
+    STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
-    PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, FLAT: tl.constexpr,
+    PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One (block of query tiles, split of SPLIT_BLOCKS key blocks; query head): per key block the scores'
     exp-sums per key granule relative to the running max of that moment, with that max; the split's running max
@@ -88,49 +93,35 @@ def _estimate_kernel(
     t = first_row_tile + rows
     num_key_tiles = (seq_len + STRIDE - 1) // STRIDE
     q_column = head * HEAD_DIM
-    k_column = (head // GROUP) * HEAD_DIM + (STRIDE - 1) * k_row_stride  # key row S-1 pairs with query row 0
+    k_column = (head // group) * HEAD_DIM + (STRIDE - 1) * k_row_stride  # key row S-1 pairs with query row 0
     last_tile = tl.minimum(first_row_tile + block * BLOCK_M + BLOCK_M - 1, num_key_tiles - 1)
     PARTS: tl.constexpr = HEAD_DIM // BLOCK_K
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     kb_lo = split * SPLIT_BLOCKS
     kb_hi = tl.minimum(kb_lo + SPLIT_BLOCKS, last_tile // BLOCK_N + 1)
-    if FLAT:  # one pipelined loop over every (key block, step): no pipeline drain between key blocks
+    for kb in range(kb_lo, kb_hi):
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for it in tl.range((kb_hi - kb_lo) * STRIDE * PARTS, num_stages=NUM_STAGES):
-            kb = kb_lo + it // (STRIDE * PARTS)
-            step = it % (STRIDE * PARTS)
+        for step in tl.range(STRIDE * PARTS, num_stages=NUM_STAGES):
             j = step // PARTS
             part = (step % PARTS) * BLOCK_K
             q = q_desc.load([block * BLOCK_M, q_column + j * q_row_stride + part])
             k = k_desc.load([kb * BLOCK_N, k_column - j * k_row_stride + part])
             acc = tl.dot(q, k.T, acc, input_precision=PRECISION)
-            if step == STRIDE * PARTS - 1:
-                m, l = _fold_block(acc, m, l, t, kb, num_key_tiles, scale_log2, part_ptr, max_ptr, head, rows,
-                                   stride_ph, stride_pr, stride_mh, stride_mr, TILES_PER_GRANULE, BLOCK_M, BLOCK_N)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        for kb in range(kb_lo, kb_hi):
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for step in tl.range(STRIDE * PARTS, num_stages=NUM_STAGES):
-                j = step // PARTS
-                part = (step % PARTS) * BLOCK_K
-                q = q_desc.load([block * BLOCK_M, q_column + j * q_row_stride + part])
-                k = k_desc.load([kb * BLOCK_N, k_column - j * k_row_stride + part])
-                acc = tl.dot(q, k.T, acc, input_precision=PRECISION)
-            m, l = _fold_block(acc, m, l, t, kb, num_key_tiles, scale_log2, part_ptr, max_ptr, head, rows,
-                               stride_ph, stride_pr, stride_mh, stride_mr, TILES_PER_GRANULE, BLOCK_M, BLOCK_N)
+        m, l = _fold_block(acc, m, l, t, kb, num_key_tiles, scale_log2, part_ptr, max_ptr, head, rows,
+                           stride_ph, stride_pr, stride_mh, stride_mr, TILES_PER_GRANULE, BLOCK_M, BLOCK_N)
     tl.store(split_max_ptr + head * stride_sh + rows * stride_sr + split, m)
     tl.store(split_sum_ptr + head * stride_sh + rows * stride_sr + split, l)
 
 
 @triton.jit(do_not_specialize=["seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "num_blocks",
-                               "num_splits"])
+                               "stride_oh", "stride_or", "stride_ph", "stride_pr", "stride_mh", "stride_mr",
+                               "stride_sh", "stride_sr"])
 def _estimate_epilogue_kernel(
     out_ptr, part_ptr, max_ptr, split_max_ptr, split_sum_ptr, seq_len, start, first_row_tile, row_tiles,
-    num_granules, num_blocks, num_splits, stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr, stride_sh,
+    num_granules, num_blocks, stride_oh, stride_or, stride_ph, stride_pr, stride_mh, stride_mr, stride_sh,
     stride_sr, STRIDE: tl.constexpr, TILES_PER_GRANULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_BLOCKS: tl.constexpr, SPLITS: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,
 ):
     """One (block of query tiles; query head): the splits' maxima and sums merged into each query tile's softmax
     statistics, every key block's exp-sums rescaled by them, the query tiles of each query granule summed."""
@@ -142,13 +133,14 @@ def _estimate_epilogue_kernel(
     row_ok = (rows < row_tiles) & (t >= start // STRIDE) & (t < num_key_tiles)
     last_tile = tl.minimum(first_row_tile + block * BLOCK_M + BLOCK_M - 1, num_key_tiles - 1)
     key_blocks = last_tile // BLOCK_N + 1
-    splits = tl.arange(0, SPLITS)
-    used = splits[None, :] < tl.cdiv(key_blocks, SPLIT_BLOCKS)
-    stats = head * stride_sh + rows[:, None] * stride_sr + splits[None, :]
-    split_max = tl.load(split_max_ptr + stats, mask=used, other=float("-inf"))
-    m = tl.max(split_max, axis=1)
+    stats = head * stride_sh + rows * stride_sr
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for split in range(tl.cdiv(key_blocks, SPLIT_BLOCKS)):
+        m = tl.maximum(m, tl.load(split_max_ptr + stats + split))
     m = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.sum(tl.load(split_sum_ptr + stats, mask=used, other=0.0) * tl.exp2(split_max - m[:, None]), axis=1)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    for split in range(tl.cdiv(key_blocks, SPLIT_BLOCKS)):
+        l += tl.load(split_sum_ptr + stats + split) * tl.exp2(tl.load(split_max_ptr + stats + split) - m)
     weight = tl.where(row_ok & (l > 0), 1.0 / tl.where(l > 0, l, 1.0), 0.0)
     KEY_GRANULES: tl.constexpr = BLOCK_N // TILES_PER_GRANULE
     QUERY_GRANULES: tl.constexpr = BLOCK_M // TILES_PER_GRANULE
@@ -162,6 +154,16 @@ def _estimate_epilogue_kernel(
         mass = tl.sum(tl.reshape(scaled, [QUERY_GRANULES, TILES_PER_GRANULE, KEY_GRANULES]), axis=1)
         tl.store(out_ptr + head * stride_oh + query_granules[:, None] * stride_or + g[None, :], mass,
                  mask=(query_granules < row_tiles // TILES_PER_GRANULE)[:, None] & (g < num_granules)[None, :])
+
+
+@functools.cache
+def estimate_config(device: torch.device) -> EstimateConfig:
+    """The default launch where the device's shared memory per block holds its three stages of 128 x 64 query
+    and 256 x 64 key tiles (Hopper's 227 KB), else 128 x 128 tiles in two stages."""
+    if device.type == "cuda" and getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                                         0) < 160 * 1024:
+        return EstimateConfig(block_n=128, split_blocks=4, num_stages=2)
+    return EstimateConfig()
 
 
 def estimate_applies(q: torch.Tensor, stride: int, granule: int) -> bool:
@@ -196,10 +198,11 @@ def _descriptor(rows: torch.Tensor, row_stride: int, stride: int, block_rows: in
 
 
 def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, granule: int, lo: int, hi: int,
-                          config: EstimateConfig = EstimateConfig()) -> torch.Tensor:
+                          config: EstimateConfig | None = None) -> torch.Tensor:
     """[Hq, query granules of [lo, hi), key granules of seq_len] float32 estimated masses. q [n_q, Hq, D] are
     the last n_q of the seq_len positions of keys [seq_len, Hk, D]; lo is a multiple of the granule, hi one
-    or seq_len; `estimate_applies` holds."""
+    or seq_len; `estimate_applies` holds. config: `estimate_config`'s where None."""
+    config = config or estimate_config(q.device)
     n_q, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = keys.shape[:2]
     start = seq_len - n_q
@@ -222,19 +225,19 @@ def estimate_granule_mass(q: torch.Tensor, keys: torch.Tensor, stride: int, gran
     _estimate_kernel[(num_blocks * num_splits, num_heads)](
         _descriptor(q_rows, q_row_stride, stride, block_m, block_k),
         _descriptor(k_rows, k_row_stride, stride, block_n, block_k), part, running_max, split_max, split_sum, seq_len,
-        lo // stride, num_blocks, num_splits, q_row_stride, k_row_stride, LOG2_E.value / (math.sqrt(head_dim) * stride),
-        part.stride(0), part.stride(1), running_max.stride(0), running_max.stride(1), split_max.stride(0),
-        split_max.stride(1), GROUP=num_heads // num_kv_heads, STRIDE=stride, HEAD_DIM=head_dim, BLOCK_K=block_k,
+        lo // stride, num_blocks, num_splits, num_heads // num_kv_heads, q_row_stride, k_row_stride, part.stride(0),
+        part.stride(1), running_max.stride(0), running_max.stride(1), split_max.stride(0), split_max.stride(1),
+        LOG2_E.value / (math.sqrt(head_dim) * stride), STRIDE=stride, HEAD_DIM=head_dim, BLOCK_K=block_k,
         TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_BLOCKS=config.split_blocks,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_STAGES=config.num_stages, FLAT=config.flat,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
     )
     _estimate_epilogue_kernel[(num_blocks, num_heads)](
         out, part, running_max, split_max, split_sum, seq_len, start, lo // stride, rows * tiles_per_granule,
-        num_granules, num_blocks, num_splits, out.stride(0), out.stride(1), part.stride(0), part.stride(1),
+        num_granules, num_blocks, out.stride(0), out.stride(1), part.stride(0), part.stride(1),
         running_max.stride(0), running_max.stride(1), split_max.stride(0), split_max.stride(1), STRIDE=stride,
         TILES_PER_GRANULE=tiles_per_granule, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_BLOCKS=config.split_blocks,
-        SPLITS=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        num_warps=4,
     )
     return out
 

@@ -39,9 +39,11 @@ class XAttentionSelector(BlockSelector):
         self.cache, self.host_pool = cache, host_pool
         self.threshold, self.stride, self.block_size, self.min_context = threshold, stride, block_size, min_context
         self.cover, self.dense_last_blocks, self.local_blocks = cover, dense_last_blocks, local_blocks
-        # the Triton estimate (kernels/triton_xattention.py) instead of the PyTorch path: off, as on the H200 it
-        # took 1.5-1.9x the PyTorch path's time (68.7 vs 35.6 ms at 128K, docs/BENCHMARKS.md)
-        self.fused_estimate = False
+        # the Triton estimate (kernels/triton_xattention.py: the scores as a GEMM over tensor descriptors, their
+        # softmax and granule sums in its epilogue) instead of the PyTorch path: None (the default) for 16-bit CUDA
+        # queries, True wherever it applies (the CPU interpreter's tests), False never. 7.3 vs 11.8 ms a layer
+        # over a 128K prefill on an H100 (docs/BENCHMARKS.md)
+        self.fused_estimate: bool | None = None
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
         self.fused_granule_sums = True
@@ -51,10 +53,16 @@ class XAttentionSelector(BlockSelector):
         self.one_copy_tiles = True
 
     def warm_up(self, num_kv_heads: int, device: torch.device) -> None:
-        """Compiles the granule-sums kernel's variant of this engine (the scores' dtype, the tiles per granule):
-        the engine's warm-up steps are below min_context or too short to select."""
+        """Compiles the estimate's kernel variant of this engine (the Triton estimate's: dtype, head_dim, stride,
+        granule; else the granule-sums kernel's: the scores' dtype, the tiles per granule): the engine's warm-up
+        steps are below min_context or too short to select."""
         granule = max(self.cache.data.shape[3], self.block_size)
-        q = torch.empty(0, dtype=self.cache.data.dtype, device=device)
+        q = torch.zeros(2 * granule, num_kv_heads, self.cache.data.shape[-1], dtype=self.cache.data.dtype,
+                        device=device)
+        fused = self._fused_estimate(q, granule)
+        if fused is not None:
+            fused(q, q, self.stride, granule, 0, q.shape[0])
+            return
         sums = self._granule_sums_kernel(q, granule)
         if sums is not None:
             tiles = granule // self.stride
@@ -176,7 +184,7 @@ class XAttentionSelector(BlockSelector):
         chunk = chunk or (ESTIMATE_CHUNK if fused is None else FUSED_ESTIMATE_CHUNK)
         step = max(granule, chunk // granule * granule)
         key_rows = None if fused is not None else key_tile_rows(keys, self.stride, q, self.one_copy_tiles)
-        sums_kernel = self._granule_sums_kernel(q, granule)
+        sums_kernel = None if fused is not None else self._granule_sums_kernel(q, granule)
         parts = []
         for lo in range(first_granule * granule, seq_len, step):
             hi = min(seq_len, lo + step)
@@ -225,7 +233,7 @@ class XAttentionSelector(BlockSelector):
         """The Triton estimate (kernels/triton_xattention.py) where it is asked for and applies (its shapes,
         and tensor descriptors: Hopper or newer, or the CPU interpreter); else None, and the PyTorch path, its
         reference, runs."""
-        if not self.fused_estimate:
+        if self.fused_estimate is False or self.fused_estimate is None and not (q.is_cuda and q.element_size() == 2):
             return None
         try:
             from nanovllm.kernels.triton_paged_attention import _has_tma
