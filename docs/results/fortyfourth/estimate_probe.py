@@ -1,7 +1,10 @@
 """Issue #15: XAttention's estimate at 128K, the PyTorch path (bmm, softmax-granule sums) against the Triton
 estimate through tensor descriptors, per launch config; then the end-to-end 128K prefill with the fastest config
 as the --fused-estimate-peer of bench/sparse.py.
-Run from bench/: python3 ../docs/results/fortyfourth/estimate_probe.py"""
+Run from bench/: python3 ../docs/results/fortyfourth/estimate_probe.py
+h100_estimate_probe1.log: the kernel of 9e7973f (no split; its configs were block_m, block_n, warps, stages) at a
+128-token granule; h100_estimate_probe2.log: splits, and a flat loop over (key block, step) as a sixth field
+(d8c97a4's option, removed: not faster), at the engine's 256-token granule."""
 from __future__ import annotations
 
 import sys
@@ -15,10 +18,9 @@ from nanovllm.kernels import triton_xattention as tx
 from nanovllm.layers.xattention import XAttentionSelector
 
 CONTEXT, CHUNK, STRIDE, GRANULE = 131072, 32768, 16, 256  # the engine's granule: its 256-token KV blocks
-CONFIGS = [tx.EstimateConfig(*c) for c in [  # block_m, block_n, split_blocks, num_warps, num_stages, flat
+CONFIGS = [tx.EstimateConfig(*c) for c in [  # block_m, block_n, split_blocks, num_warps, num_stages
     (128, 128, 4, 8, 3), (128, 128, 4, 4, 3), (128, 128, 2, 8, 3), (128, 128, 8, 8, 3), (128, 128, 64, 8, 3),
-    (128, 256, 2, 8, 3), (128, 256, 2, 8, 2), (256, 128, 4, 8, 3), (128, 128, 4, 8, 3, True),
-    (128, 128, 8, 8, 3, True), (128, 256, 2, 8, 2, True), (128, 128, 4, 4, 3, True)]]
+    (128, 256, 2, 8, 3), (128, 256, 2, 8, 2), (256, 128, 4, 8, 3)]]
 
 
 def chunks(q, k):
