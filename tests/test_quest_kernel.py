@@ -76,7 +76,12 @@ wanted = {t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
           t._prefill_kernel: {"stride_bt", "stride_bh"},
           q._quest_scores_kernel: {"num_columns", "stride_tb"},
           q._candidate_max_kernel: {"num_candidates", "stride_tb", "stride_ob", "stride_oh", "stride_og"},
-          x._estimate_kernel: {"seq_len", "start", "first_row_tile", "row_tiles", "num_granules", "stride_qt"}}
+          x._estimate_kernel: {"seq_len", "first_row_tile", "num_blocks", "num_splits", "group", "q_row_stride",
+                               "k_row_stride", "stride_ph", "stride_pr", "stride_mh", "stride_mr", "stride_sh",
+                               "stride_sr"},
+          x._estimate_epilogue_kernel: {"seq_len", "start", "first_row_tile", "row_tiles", "num_granules",
+                                        "num_blocks", "stride_oh", "stride_or", "stride_ph", "stride_pr",
+                                        "stride_mh", "stride_mr", "stride_sh", "stride_sr"}}
 for kernel, names in wanted.items():
     loose = {p.name for p in kernel.params if p.do_not_specialize}
     assert names <= loose, (kernel.fn.__name__, names - loose)

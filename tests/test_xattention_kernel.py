@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiled_helpers import assert_runs_compiled
 
 from nanovllm.layers.xattention import XAttentionSelector
 
@@ -209,3 +210,40 @@ def test_the_triton_estimate_is_the_default_for_16_bit_cuda_queries_only():
         assert s._fused_estimate(torch.zeros(1, 2, 16, device="cuda"), 16) is None
     assert selector(4, 16, "head", True)._fused_estimate(torch.zeros(1, 2, 16), 16) is not None
     assert selector(4, 16, "head", False)._fused_estimate(torch.zeros(1, 2, 16, dtype=torch.bfloat16), 16) is None
+
+
+def test_estimate_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter accepts code the compiler rejects: the estimate's two kernels compiled for sm_90 through
+    Triton's own ptxas, at the default launch (128 x 256 tiles, 8 warps, 3 stages: within Hopper's shared memory)
+    and the smaller one, Llama-3.1-8B's head_dim 128 and SmolLM2's 64, bf16."""
+    pytest.importorskip("triton")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nanovllm.kernels import triton_xattention as x
+target = GPUTarget("cuda", 90, 32)
+
+def signature(kernel, **types):
+    sig = {}
+    for name in kernel.arg_names:
+        sig[name] = types.get(name) or ("*fp32" if name.endswith("_ptr") else "constexpr" if name.isupper() else "i32")
+    return sig
+
+for config in (x.EstimateConfig(), x.EstimateConfig(block_n=128, split_blocks=4, num_stages=2)):
+    for dim in (128, 64):
+        sig = signature(x._estimate_kernel, q_desc=f"tensordesc<bf16[{config.block_m},64]>",
+                        k_desc=f"tensordesc<bf16[{config.block_n},64]>", scale_log2="fp32")
+        consts = dict(STRIDE=16, HEAD_DIM=dim, BLOCK_K=64, TILES_PER_GRANULE=16, BLOCK_M=config.block_m,
+                      BLOCK_N=config.block_n, SPLIT_BLOCKS=config.split_blocks, PRECISION="tf32",
+                      NUM_STAGES=config.num_stages)
+        compiled = triton.compile(ASTSource(x._estimate_kernel, sig, consts), target=target,
+                                  options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+        assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    consts = dict(STRIDE=16, TILES_PER_GRANULE=16, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                  SPLIT_BLOCKS=config.split_blocks)
+    kernel = x._estimate_epilogue_kernel
+    assert triton.compile(ASTSource(kernel, signature(kernel), consts), target=target, options={"num_warps": 4})
+print("ok")
+"""
+    assert_runs_compiled(code, timeout=300)
