@@ -68,11 +68,13 @@ def test_kernel_scores_equal_the_reference(block_size, num_kv_heads, group, host
 
 def test_request_dependent_scalars_compile_no_new_kernel_variant():
     """Triton specialises integer arguments on == 1 and divisibility by 16; arguments whose values change
-    from step to step (table widths, split counts) must opt out, or a new value compiles a variant on the
+    from step to step (table widths, split counts, a chunk's rows: the merge's last chunk of a 131,071-token
+    prompt compiled on the request path on an H100) must opt out, or a new value compiles a variant on the
     request path. Checked on the compiled (not interpreted) kernels."""
     code = """
-from nanovllm.kernels import triton_paged_attention as t, triton_quest as q, triton_xattention as x
-wanted = {t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
+from nanovllm.kernels import triton_merge as m, triton_paged_attention as t, triton_quest as q, triton_xattention as x
+wanted = {m._merge_two_kernel: {"num_rows"},
+          t._decode_kernel: {"num_splits", "stride_bt", "stride_bh"},
           t._prefill_kernel: {"stride_bt", "stride_bh"},
           q._quest_scores_kernel: {"num_columns", "stride_tb"},
           q._candidate_max_kernel: {"num_candidates", "stride_tb", "stride_ob", "stride_oh", "stride_og"},

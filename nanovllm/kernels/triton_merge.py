@@ -17,7 +17,7 @@ from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 patch_if_interpreting()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a chunk's rows: a prompt's last chunk is any length
 def _merge_two_kernel(
     a_ptr, la_ptr, b_ptr, lb_ptr, out_ptr, lse_ptr, num_rows,
     s_at, s_ah, s_lat, s_lah, s_bt, s_bh, s_lbt, s_lbh, s_ot, s_oh, s_lt, s_lh,
