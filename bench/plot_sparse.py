@@ -84,7 +84,8 @@ def main() -> None:
     right.set_xticks(range(len(cases)), cases)
     right.set(ylabel="speed-up vs dense decode, same sequences", title="Quest decode")
     right.legend(fontsize=8, ncol=2)
-    fig.suptitle("Block-sparse attention on one H200, Llama-3.1-8B shape, random weights (bench/sparse.py)")
+    fig.suptitle("Block-sparse attention, Llama-3.1-8B shape, random weights (bench/sparse.py; each speed-up against "
+                 "the dense peer of the same run on the same GPU)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"chart written to {out}")
