@@ -10,12 +10,16 @@ half of that path alone: the softmax and the granule sums of given scores, witho
 The scores are a matrix product: viewed as [tiles, S * row stride], a tile's S rows side by side, the queries
 and keys are its operands, the step over the S * D reduction taking query row j's columns and key row S-1-j's.
 Both views are tensor descriptors over the tensors in place (a padded copy only where the rows do not fill
-whole tiles), so the product runs on TMA loads like a GEMM. One program per (block of BLOCK_M query tiles,
-whole query granules; query head), longest rows first, one pass over the visible key tiles in blocks of
-BLOCK_N (whole key granules): an online softmax (running max m and sum l per query tile) and, per block, each
-query tile's exp-sums per key granule relative to the running max of that moment, written to a scratch
-[Hq, tiles, key granules] (granule/stride times smaller than the scores) with that max. An epilogue in the
-same program rescales them by exp(m_block - m) / l and sums the query tiles of each query granule.
+whole tiles), so the product runs on TMA loads like a GEMM. `_estimate_kernel`: one program per (block of
+BLOCK_M query tiles, whole query granules; SPLIT_BLOCKS of its visible key blocks of BLOCK_N tiles, whole key
+granules; query head), the last query tiles first: an online softmax (running max m and sum l per query tile)
+and, per key block, each query tile's exp-sums per key granule relative to the running max of that moment,
+written to a scratch [Hq, tiles, key granules] (granule/stride times smaller than the scores) with that max,
+and the split's m and l at its end. Splitting a row's key blocks over programs lets the programs running
+together share their query and key tiles in L2 (one program walking all of them re-read its queries from HBM
+per key block: 0.74x the PyTorch path instead of 1.61x on an H100). `_estimate_epilogue_kernel`, per (block of
+query tiles; query head): the splits' statistics merged, each block's sums rescaled by exp(m_block - m) / l,
+the query tiles of each query granule summed.
 """
 from __future__ import annotations
 
