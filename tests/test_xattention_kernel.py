@@ -14,7 +14,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # seq_len, n_q (a first query mid-tile where seq_len - n_q is no multiple of the stride), stride, granule,
 # KV heads, group, head_dim
 SHAPES = [(200, 200, 4, 16, 2, 2, 16), (301, 123, 8, 32, 1, 4, 32), (450, 77, 4, 16, 2, 1, 64),
-          (700, 333, 8, 16, 1, 4, 16), (512, 256, 8, 32, 2, 2, 32)]  # the last: whole tiles, the inputs in place
+          (700, 333, 8, 16, 1, 4, 16), (512, 256, 8, 32, 2, 2, 32),  # whole tiles, the inputs in place
+          (260, 130, 4, 16, 1, 2, 128)]  # Llama-3.1-8B's head_dim: two reduction steps a row in 16-bit
 
 
 def inputs(seq_len, n_q, kv_heads, group, dim, dtype):
