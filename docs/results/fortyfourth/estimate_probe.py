@@ -1,6 +1,7 @@
 """Issue #15: XAttention's estimate at 128K, the PyTorch path (bmm, softmax-granule sums) against the Triton
 estimate through tensor descriptors, per launch config; then the end-to-end 128K prefill with the fastest config
-as the --fused-estimate-peer of bench/sparse.py.
+against the PyTorch-path estimate (bench/sparse.py's --torch-estimate-peer; the logs' runs named the Triton estimate the
+peer, when it was off by default).
 Run from bench/: python3 ../docs/results/fortyfourth/estimate_probe.py
 h100_estimate_probe1.log: the kernel of 9e7973f (no split; its configs were block_m, block_n, warps, stages) at a
 128-token granule; h100_estimate_probe2.log: splits, and a flat loop over (key block, step) as a sixth field
@@ -58,11 +59,11 @@ def main() -> None:
             best = (ms, config)
     if best is None or "--skip-e2e" in sys.argv:
         return
-    log(f"fastest: {best[1]}; end to end with it as the fused-estimate peer")
+    log(f"fastest: {best[1]}; end to end with it, the PyTorch-path estimate as the peer")
     tx.estimate_granule_mass.__defaults__ = (best[1],)
     q = k = parts = want = None  # noqa: F841 (freed before the engines)
     torch.cuda.empty_cache()
-    e2e_prefill_random(str(HERE / "configs" / "llama-3.1-8b"), CONTEXT, 0.2, "group", reps=2, fused_estimate_peer=True,
+    e2e_prefill_random(str(HERE / "configs" / "llama-3.1-8b"), CONTEXT, 0.2, "group", reps=2, torch_estimate_peer=True,
                        max_num_batched_tokens=CHUNK)
 
 
