@@ -44,6 +44,11 @@ class XAttentionSelector(BlockSelector):
         # queries, True wherever it applies (the CPU interpreter's tests), False never. 7.3 vs 11.8 ms a layer
         # over a 128K prefill on an H100 (docs/BENCHMARKS.md)
         self.fused_estimate: bool | None = None
+        # the fewest covering blocks per row, with the group's masses summed and the diagonal and sink kept, by one
+        # Triton kernel (triton_xattention.covering_blocks: a bisection over the cutoff, no sort) instead of the
+        # PyTorch path (a sort, a cumulative sum, a scatter): None (the default) on CUDA, True wherever Triton
+        # runs (the CPU interpreter's tests), False never
+        self.fused_covering: bool | None = None
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
         self.fused_granule_sums = True
@@ -152,14 +157,20 @@ class XAttentionSelector(BlockSelector):
     def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor, kv_block: int) -> torch.Tensor:
         """q [n_q, Hq, D] (the last n_q of seq_len positions), keys [seq_len, Hk, D] -> bool
         [Hk, query blocks, blocks] at KV-block granularity, on q's device."""
-        seq_len = keys.shape[0]
+        seq_len, num_kv_heads = keys.shape[:2]
         granule = max(kv_block, self.block_size)
-        blocks, first_granule = self.granule_mass(q, keys, granule)
-        keep = self._fewest_covering(blocks)
-        if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
-            keep = keep.view(keys.shape[1], -1, *keep.shape[1:]).any(1)
-        keep.diagonal(first_granule, 1, 2).fill_(True)  # the diagonal (no index_put: its value is a host scalar)
-        keep[:, :, 0].fill_(True)  # the sink
+        covering = self._covering_kernel(q)
+        blocks, first_granule = self.granule_mass(q, keys, granule, per_query_head=covering is not None)
+        keep = None if covering is None else covering(blocks, self.threshold, q.shape[1] // num_kv_heads,
+                                                      self.cover == "group", first_granule)
+        if keep is None:
+            if covering is not None and self.cover == "group":  # the kernel did not take the rows
+                blocks = blocks.view(num_kv_heads, -1, *blocks.shape[1:]).sum(1)
+            keep = self._fewest_covering(blocks)
+            if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
+                keep = keep.view(num_kv_heads, -1, *keep.shape[1:]).any(1)
+            keep.diagonal(first_granule, 1, 2).fill_(True)  # the diagonal (no index_put: its value is a host scalar)
+            keep[:, :, 0].fill_(True)  # the sink
         if granule == kv_block:
             return keep
         n, first_block = -(-seq_len // kv_block), (seq_len - q.shape[0]) // kv_block
@@ -167,19 +178,20 @@ class XAttentionSelector(BlockSelector):
         key_granules = torch.arange(n, device=keep.device) * kv_block // granule
         return keep[:, query_granules][:, :, key_granules]
 
-    def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int,
-                     chunk: int | None = None) -> tuple[torch.Tensor, int]:
-        """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
-        holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
-        the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
-        never straddle chunks, nor granules (the stride divides the granule). With `fused_estimate` one Triton
-        kernel per chunk (kernels/triton_xattention.py) makes the masses without the scores; the PyTorch path
-        (antidiagonal_scores, then _granule_sums) is its reference. With `fused_granule_sums` the scores' softmax
+    def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int, chunk: int | None = None,
+                     per_query_head: bool = False) -> tuple[torch.Tensor, int]:
+        """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head" or per_query_head)
+        from the granule holding the first query, and that granule's index. Queries go in chunks of whole
+        granules, so that the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long
+        contexts; tiles never straddle chunks, nor granules (the stride divides the granule). With `fused_estimate`
+        one Triton kernel per chunk (kernels/triton_xattention.py) makes the masses without the scores; the PyTorch
+        path (antidiagonal_scores, then _granule_sums) is its reference. With `fused_granule_sums` the scores' softmax
         and granule sums are one Triton kernel (triton_xattention.softmax_granule_sums)."""
         seq_len = keys.shape[0]
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
         tiles_per_granule = granule // self.stride
+        per_head = self.cover == "head" or per_query_head
         fused = self._fused_estimate(q, granule)
         chunk = chunk or (ESTIMATE_CHUNK if fused is None else FUSED_ESTIMATE_CHUNK)
         step = max(granule, chunk // granule * granule)
@@ -190,7 +202,7 @@ class XAttentionSelector(BlockSelector):
             hi = min(seq_len, lo + step)
             if fused is not None:
                 mass = fused(q, keys, self.stride, granule, lo, hi)  # [Hq, rows, num_granules]
-                parts.append(mass if self.cover == "head" else mass.view(keys.shape[1], -1, *mass.shape[1:]).sum(1))
+                parts.append(mass if per_head else mass.view(keys.shape[1], -1, *mass.shape[1:]).sum(1))
                 continue
             queries = slice(max(lo, start) - start, hi - start)
             rows, key_granules = -(-(hi - lo) // granule), -(-hi // granule)
@@ -199,20 +211,21 @@ class XAttentionSelector(BlockSelector):
             lead = first_tile - lo // self.stride  # zero tiles before the first query, in its granule
             if sums_kernel is not None:
                 sums = sums_kernel(scores.flatten(0, 1), lead, rows, key_granules, tiles_per_granule)
-                sums = sums if self.cover == "head" else sums.view(keys.shape[1], -1, *sums.shape[1:]).sum(1)
+                sums = sums if per_head else sums.view(keys.shape[1], -1, *sums.shape[1:]).sum(1)
             else:
-                sums = self._granule_sums(scores, lead, rows, key_granules, tiles_per_granule)
+                sums = self._granule_sums(scores, lead, rows, key_granules, tiles_per_granule, per_head)
             # the granules past this chunk's keys are added to the (granule-times smaller) sums, not to the tiles
             parts.append(F.pad(sums, (0, num_granules - key_granules)) if key_granules < num_granules else sums)
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
-    def _granule_sums(self, scores: torch.Tensor, lead: int, rows: int, key_granules: int,
-                      tiles_per_granule: int) -> torch.Tensor:
-        """[Hk or Hq, rows, key_granules] float32 masses from scores [Hk, group, tiles, key tiles]: the softmax
-        of each tile row, zero tiles before the first query and past the last ones to whole granules, one
-        sum per granule (`softmax_granule_sums` is the one-kernel path)."""
+    @staticmethod
+    def _granule_sums(scores: torch.Tensor, lead: int, rows: int, key_granules: int, tiles_per_granule: int,
+                      per_head: bool) -> torch.Tensor:
+        """[Hk, or Hq if per_head, rows, key_granules] float32 masses from scores [Hk, group, tiles, key tiles]:
+        the softmax of each tile row, zero tiles before the first query and past the last ones to whole
+        granules, one sum per granule (`softmax_granule_sums` is the one-kernel path)."""
         probs = scores.softmax(-1)  # in the scores' dtype: half-precision probabilities (float32 inside) on the GPU
-        mass = probs.flatten(0, 1) if self.cover == "head" else probs.sum(1, dtype=torch.float32)
+        mass = probs.flatten(0, 1) if per_head else probs.sum(1, dtype=torch.float32)
         pads = (0, key_granules * tiles_per_granule - mass.shape[2],
                 lead, rows * tiles_per_granule - lead - mass.shape[1])
         whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
@@ -241,6 +254,15 @@ class XAttentionSelector(BlockSelector):
         except ImportError:
             return None
         return estimate_granule_mass if _has_tma(q.device) and estimate_applies(q, self.stride, granule) else None
+
+    def _covering_kernel(self, q: torch.Tensor):
+        """triton_xattention.covering_blocks where it is asked for and applies (a threshold below 1); else None,
+        and the PyTorch path (`_fewest_covering`), its reference, runs."""
+        if self.fused_covering is False or self.fused_covering is None and not q.is_cuda or self.threshold >= 1.0:
+            return None
+        from nanovllm.kernels.triton_xattention import covering_blocks
+
+        return covering_blocks
 
     def _fewest_covering(self, blocks: torch.Tensor) -> torch.Tensor:
         """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""
