@@ -129,28 +129,24 @@ def causal_masses(heads, rows, columns, first, seed):
 
 
 @pytest.mark.parametrize("threshold", [0.2, 0.5, 0.9, 0.99])
-@pytest.mark.parametrize("heads, group, rows, columns, first", [(8, 4, 5, 37, 10), (4, 1, 3, 16, 13),
-                                                                (6, 2, 7, 300, 100)])
-@pytest.mark.parametrize("cover", ["group", "head"])
-def test_covering_kernel_equals_the_torch_path(heads, group, rows, columns, first, threshold, cover):
-    """covering_blocks against the PyTorch path (the group's masses summed, or each head's own joined; the
-    fewest covering columns by a sort; the diagonal and sink): the same blocks, rows without mass keeping only
-    those two."""
+@pytest.mark.parametrize("heads, rows, columns, first, block_columns", [
+    (8, 5, 37, 10, 1024), (4, 3, 16, 13, 1024), (6, 7, 300, 100, 1024),
+    (3, 4, 300, 150, 64),  # a row over several loop steps
+])
+def test_covering_kernel_equals_the_torch_path(heads, rows, columns, first, block_columns, threshold):
+    """covering_blocks against the PyTorch path (the fewest covering columns by a sort; the diagonal and the
+    sink): the same blocks, a row without mass keeping only those two."""
     pytest.importorskip("triton")
     from nanovllm.kernels.triton_xattention import covering_blocks
 
     mass = causal_masses(heads, rows, columns, first, seed=heads * rows + columns)
-    s = XAttentionSelector(None, None, threshold=threshold, stride=4, block_size=16, min_context=0, cover=cover)
-    summed = mass.view(heads // group, group, rows, columns).sum(1) if cover == "group" else mass
-    want = s._fewest_covering(summed)
-    if cover == "head":
-        want = want.view(heads // group, group, rows, columns).any(1)
+    s = XAttentionSelector(None, None, threshold=threshold, stride=4, block_size=16, min_context=0)
+    want = s._fewest_covering(mass)
     want.diagonal(first, 1, 2).fill_(True)
     want[:, :, 0] = True
-    got = covering_blocks(mass.to(DEVICE), threshold, group, cover == "group", first).cpu()
+    got = covering_blocks(mass.to(DEVICE), threshold, first, block_columns).cpu()
     assert torch.equal(got, want)
-    if cover == "head" and group == 1:  # the head without mass in its first row: the sink and the diagonal
-        assert got[-1, 0].nonzero().flatten().tolist() == [0, first]
+    assert got[-1, 0].nonzero().flatten().tolist() == [0, first]  # the head without mass in its first row
 
 
 def test_covering_kernel_keeps_every_block_tied_at_the_cutoff():
@@ -161,13 +157,13 @@ def test_covering_kernel_keeps_every_block_tied_at_the_cutoff():
     from nanovllm.kernels.triton_xattention import covering_blocks
 
     mass = torch.tensor([[[0.25, 0.25, 0.25, 0.25, 0.0]], [[0.0, 0.4, 0.3, 0.3, 0.0]], [[0.0, 0.1, 0.8, 0.1, 0.0]]])
-    got = covering_blocks(mass.to(DEVICE), 0.5, 1, True, 4).cpu()
+    got = covering_blocks(mass.to(DEVICE), 0.5, 4).cpu()
     assert got[:, 0].tolist() == [[True] * 5, [True] * 5, [True, False, True, False, True]]
 
 
 def test_selection_through_the_covering_kernel_equals_the_torch_path():
-    """sequence_selection with the covering kernel (the estimate's masses per query head, summed by the kernel)
-    and without: the same blocks, at KV blocks of one and of two granules, both covers."""
+    """sequence_selection with the covering kernel and without: the same blocks, at KV blocks of one and of two
+    granules, both covers."""
     pytest.importorskip("triton")
     q, keys = inputs(700, 333, 2, 4, 16, torch.float32)
     for cover in ("group", "head"):

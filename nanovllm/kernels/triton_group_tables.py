@@ -56,7 +56,8 @@ def group_tables(mask: torch.Tensor, ids: torch.Tensor, short: torch.Tensor | No
                  block_columns: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(tables [G, Hk, width] int64, lengths [G, Hk] int32) of mask [G, Hk, C] bool over ids [G, C] int64;
     short [G] int64 (added to the lengths: a causal group's partly filled last block), or None. Every group keeps
-    at most `width` blocks (the caller's bound)."""
+    at most `width` blocks (the caller's bound). block_columns: columns a loop step reads (one kernel variant for
+    every length)."""
     groups, heads, columns = mask.shape
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     ids = ids.to(torch.int64) if ids.stride(-1) == 1 else ids.to(torch.int64).contiguous()
@@ -65,7 +66,7 @@ def group_tables(mask: torch.Tensor, ids: torch.Tensor, short: torch.Tensor | No
     _group_tables_kernel[(groups,)](
         mask, ids, tables if short is None else short, tables, lengths, heads, columns, width, block_size,
         mask.stride(0), mask.stride(1), ids.stride(0), tables.stride(0), tables.stride(1), lengths.stride(0),
-        HEADS_PAD=next_power_of_2(heads), BLOCK_C=min(block_columns, max(16, next_power_of_2(columns))),
+        HEADS_PAD=next_power_of_2(heads), BLOCK_C=block_columns,
         CAUSAL=short is not None, num_warps=4,
     )
     return tables, lengths

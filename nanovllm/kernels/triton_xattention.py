@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.sizes import cdiv, next_power_of_2
+from nanovllm.kernels.sizes import cdiv
 from nanovllm.kernels.triton_interpreter import patch_if_interpreting
 
 patch_if_interpreting()
@@ -307,68 +307,53 @@ def softmax_granule_sums(scores: torch.Tensor, lead: int, rows: int, key_granule
     return out
 
 
-@triton.jit(do_not_specialize=["threshold", "num_rows", "num_columns", "first_row", "stride_mh", "stride_mr",
-                               "stride_kh", "stride_kr"])  # lengths vary by chunk
+@triton.jit(do_not_specialize=["threshold", "num_columns", "first_row", "stride_mh", "stride_mr", "stride_kh",
+                               "stride_kr"])  # lengths vary by chunk
 def _covering_kernel(
-    mass_ptr, keep_ptr, threshold, num_rows, num_columns, first_row, stride_mh, stride_mr, stride_kh, stride_kr,
-    GROUP: tl.constexpr, SUM_GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
+    mass_ptr, keep_ptr, threshold, num_columns, first_row, stride_mh, stride_mr, stride_kh, stride_kr,
+    BLOCK_C: tl.constexpr,
 ):
-    """One (row, KV head): the fewest columns whose mass covers `threshold` of the row's, for the GROUP query
-    heads' rows summed (SUM_GROUP) or each of them (their columns then joined), with the diagonal column
-    first_row + row and the sink column 0. The fewest covering columns are those of mass >= the largest cutoff
-    whose columns still hold threshold of the mass: the cutoff is found by bisection over the float32 bit
-    patterns (ordered like the values for non-negative floats), 31 halvings, no sort."""
+    """One (row, head): the fewest columns whose mass covers `threshold` of the row's, with the diagonal column
+    first_row + row and the sink column 0. They are the columns of mass >= the largest cutoff whose columns still
+    hold that share: found by bisection over the float32 bit patterns (ordered like the values for non-negative
+    floats), 31 halvings of a sum over the row, no sort."""
     row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
+    masses = mass_ptr + head * stride_mh + row * stride_mr
     cols = tl.arange(0, BLOCK_C)
-    in_row = cols < num_columns
-    keep = cols == first_row + row
-    keep = keep | (cols == 0)
-    x = tl.zeros([BLOCK_C], tl.float32)
-    for g in range(GROUP):
-        head = (kv_head * GROUP + g).to(tl.int64)
-        y = tl.load(mass_ptr + head * stride_mh + row * stride_mr + cols, mask=in_row, other=0.0)
-        if SUM_GROUP:
-            x += y
-        else:
-            keep = keep | _covering(y, threshold)
-    if SUM_GROUP:
-        keep = keep | _covering(x, threshold)
-    tl.store(keep_ptr + kv_head.to(tl.int64) * stride_kh + row * stride_kr + cols, keep, mask=in_row)
-
-
-@triton.jit
-def _covering(x, threshold):
-    """Columns of x (>= 0) of mass >= the largest cutoff c with sum(x[x >= c]) >= threshold * sum(x); none
-    where x has no mass."""
-    total = tl.sum(x, axis=0)
+    total = 0.0
+    for start in range(0, num_columns, BLOCK_C):
+        total += tl.sum(tl.load(masses + start + cols, mask=start + cols < num_columns, other=0.0), axis=0)
     target = total * threshold
-    bits = x.to(tl.int32, bitcast=True)
-    lo = 0  # sum(x[bits >= lo]) >= target holds; at hi it does not (no value reaches +inf's pattern)
+    lo = 0  # the columns of bits >= lo hold >= target; those of bits >= hi do not (no finite value reaches +inf's)
     hi = 0x7F800000
     for _ in range(31):
         mid = lo + (hi - lo) // 2
-        enough = tl.sum(tl.where(bits >= mid, x, 0.0), axis=0) >= target
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    return bits >= tl.where(total > 0, lo, 0x7F800000)  # no finite value reaches +inf's pattern
+        held = 0.0
+        for start in range(0, num_columns, BLOCK_C):
+            x = tl.load(masses + start + cols, mask=start + cols < num_columns, other=0.0)
+            held += tl.sum(tl.where(x.to(tl.int32, bitcast=True) >= mid, x, 0.0), axis=0)
+        lo = tl.where(held >= target, mid, lo)
+        hi = tl.where(held >= target, hi, mid)
+    cutoff = tl.where(total > 0, lo, 0x7F800000)  # a row without mass keeps no column for it
+    for start in range(0, num_columns, BLOCK_C):
+        c = start + cols
+        x = tl.load(masses + c, mask=c < num_columns, other=0.0)
+        keep = (x.to(tl.int32, bitcast=True) >= cutoff) | (c == first_row + row) | (c == 0)
+        tl.store(keep_ptr + head * stride_kh + row * stride_kr + c, keep, mask=c < num_columns)
 
 
-def covering_blocks(mass: torch.Tensor, threshold: float, group: int, sum_group: bool, first_row: int,
-                    max_columns: int = 16384) -> torch.Tensor | None:
-    """bool [Hq // group, rows, columns] from masses [Hq, rows, columns] (float32, >= 0): per KV head and row
-    the fewest columns covering `threshold` (< 1) of the mass of its `group` query heads' rows summed
-    (sum_group), or the union of each row's own; the diagonal (column first_row + row) and the sink (column 0)
-    always. XAttentionSelector's PyTorch path (a sort, a cumulative sum, a scatter) is the reference; equal up to
-    the order of summation, and keeping every column tied at the cutoff. None where a row has more than
-    max_columns columns (kept in registers)."""
+def covering_blocks(mass: torch.Tensor, threshold: float, first_row: int, block_columns: int = 1024) -> torch.Tensor:
+    """bool [H, rows, columns] from masses [H, rows, columns] (float32, >= 0): per head and row the fewest columns
+    covering `threshold` (< 1) of its mass, the diagonal (column first_row + row) and the sink (column 0).
+    XAttentionSelector's PyTorch path (a sort, a cumulative sum, a scatter) is the reference: equal up to the
+    order of summation, but every column tied at the cutoff is kept (the sort keeps those it ranks first).
+    block_columns: columns a loop step reads (one kernel variant for every length)."""
     heads, rows, columns = mass.shape
-    if columns > max_columns or mass.stride(2) != 1:
-        return None
-    keep = torch.empty(heads // group, rows, columns, dtype=torch.bool, device=mass.device)
-    _covering_kernel[(rows, heads // group)](
-        mass, keep, threshold, rows, columns, first_row, mass.stride(0), mass.stride(1), keep.stride(0),
-        keep.stride(1), GROUP=group, SUM_GROUP=sum_group, BLOCK_C=max(16, next_power_of_2(columns)),
-        num_warps=4,
+    mass = mass if mass.stride(2) == 1 else mass.contiguous()
+    keep = torch.empty(heads, rows, columns, dtype=torch.bool, device=mass.device)
+    _covering_kernel[(rows, heads)](
+        mass, keep, threshold, columns, first_row, mass.stride(0), mass.stride(1), keep.stride(0), keep.stride(1),
+        BLOCK_C=block_columns, num_warps=4,
     )
     return keep

@@ -44,10 +44,10 @@ class XAttentionSelector(BlockSelector):
         # queries, True wherever it applies (the CPU interpreter's tests), False never. 7.3 vs 11.8 ms a layer
         # over a 128K prefill on an H100 (docs/BENCHMARKS.md)
         self.fused_estimate: bool | None = None
-        # the fewest covering blocks per row, with the group's masses summed and the diagonal and sink kept, by one
-        # Triton kernel (triton_xattention.covering_blocks: a bisection over the cutoff, no sort) instead of the
-        # PyTorch path (a sort, a cumulative sum, a scatter): None (the default) on CUDA, True wherever Triton
-        # runs (the CPU interpreter's tests), False never
+        # the fewest covering blocks of each row, with the diagonal and the sink, by one Triton kernel
+        # (triton_xattention.covering_blocks: a bisection over the cutoff, no sort) instead of the PyTorch path (a
+        # sort, a cumulative sum, a scatter): None (the default) on CUDA, True wherever Triton runs (the CPU
+        # interpreter's tests), False never
         self.fused_covering: bool | None = None
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
@@ -159,18 +159,16 @@ class XAttentionSelector(BlockSelector):
         [Hk, query blocks, blocks] at KV-block granularity, on q's device."""
         seq_len, num_kv_heads = keys.shape[:2]
         granule = max(kv_block, self.block_size)
+        blocks, first_granule = self.granule_mass(q, keys, granule)
         covering = self._covering_kernel(q)
-        blocks, first_granule = self.granule_mass(q, keys, granule, per_query_head=covering is not None)
-        keep = None if covering is None else covering(blocks, self.threshold, q.shape[1] // num_kv_heads,
-                                                      self.cover == "group", first_granule)
-        if keep is None:
-            if covering is not None and self.cover == "group":  # the kernel did not take the rows
-                blocks = blocks.view(num_kv_heads, -1, *blocks.shape[1:]).sum(1)
+        if covering is not None:
+            keep = covering(blocks, self.threshold, first_granule)
+        else:
             keep = self._fewest_covering(blocks)
-            if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
-                keep = keep.view(num_kv_heads, -1, *keep.shape[1:]).any(1)
             keep.diagonal(first_granule, 1, 2).fill_(True)  # the diagonal (no index_put: its value is a host scalar)
             keep[:, :, 0].fill_(True)  # the sink
+        if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
+            keep = keep.view(num_kv_heads, -1, *keep.shape[1:]).any(1)
         if granule == kv_block:
             return keep
         n, first_block = -(-seq_len // kv_block), (seq_len - q.shape[0]) // kv_block
@@ -178,9 +176,9 @@ class XAttentionSelector(BlockSelector):
         key_granules = torch.arange(n, device=keep.device) * kv_block // granule
         return keep[:, query_granules][:, :, key_granules]
 
-    def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int, chunk: int | None = None,
-                     per_query_head: bool = False) -> tuple[torch.Tensor, int]:
-        """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head" or per_query_head)
+    def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int,
+                     chunk: int | None = None) -> tuple[torch.Tensor, int]:
+        """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head")
         from the granule holding the first query, and that granule's index. Queries go in chunks of whole
         granules, so that the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long
         contexts; tiles never straddle chunks, nor granules (the stride divides the granule). With `fused_estimate`
@@ -191,7 +189,7 @@ class XAttentionSelector(BlockSelector):
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
         tiles_per_granule = granule // self.stride
-        per_head = self.cover == "head" or per_query_head
+        per_head = self.cover == "head"
         fused = self._fused_estimate(q, granule)
         chunk = chunk or (ESTIMATE_CHUNK if fused is None else FUSED_ESTIMATE_CHUNK)
         step = max(granule, chunk // granule * granule)
