@@ -511,6 +511,22 @@ def test_xattention_forced_blocks_are_the_definitions(kb, xb, chunks, dense_last
     assert changed  # the forced blocks are not all among the estimate's
 
 
+def test_xattention_keys_of_consecutive_blocks_are_a_view_of_the_cache():
+    """A sequence whose blocks lie in order in the pool gets its keys as a view of the cache (no gather); any
+    other order a gathered copy; both the keys written at the sequence's positions."""
+    from nanovllm.layers.xattention import XAttentionSelector
+
+    kb, seq_len, num_kv_heads, dim = 4, 14, 2, 8
+    cache = PagedKVCache(1, 12, kb, num_kv_heads, dim, torch.float32, torch.device("cpu"))
+    keys = torch.randn(seq_len, num_kv_heads, dim)
+    selector = XAttentionSelector(cache, None, 0.5, 2, 4, 0)
+    for table, view in (([3, 4, 5, 6], True), ([6, 5, 4, 3], False), ([3, 4, 6, 7], False)):
+        cache.write(0, keys, keys, torch.tensor([table[p // kb] * kb + p % kb for p in range(seq_len)]))
+        got = selector._keys(0, SelectionInput([seq_len], [seq_len], kb, [table]), 0)
+        assert torch.equal(got, keys)
+        assert (got.data_ptr() == cache.layer(0)[0][3].data_ptr()) == view
+
+
 def test_xattention_dense_last_blocks_counts_from_the_prompt_end_not_the_chunk_end():
     from nanovllm.layers.xattention import XAttentionSelector
 

@@ -124,8 +124,10 @@ class XAttentionSelector(BlockSelector):
         n, table = batch.num_blocks(i), batch.block_tables[i]
         flags = batch.on_host[i][:n] if batch.on_host else [False] * n
         k_cache = self.cache.layer(layer)[0]
-        blocks = k_cache.index_select(0, self._device_ids(batch, i, flags, k_cache.device))
         host = [c for c in range(n) if flags[c]]
+        if not host and _consecutive(table[:n]):  # the pool's blocks in order: a view, not a gather
+            return k_cache[table[0] : table[0] + n].flatten(0, 1)[: batch.seq_lens[i]]
+        blocks = k_cache.index_select(0, self._device_ids(batch, i, flags, k_cache.device))
         if host:
             host_ids = [table[c] for c in host]
             keys = self.host_pool.read_keys(layer, host_ids, k_cache.device)
@@ -273,6 +275,11 @@ class XAttentionSelector(BlockSelector):
         # threshold < 1 of it; nor is anything in a row without mass. `order` permutes each row: every entry is written.
         covering = before < running[..., -1:] * self.threshold
         return torch.empty_like(covering).scatter_(-1, order, covering)
+
+
+def _consecutive(ids: list[int]) -> bool:
+    """ids are n consecutive ascending integers."""
+    return bool(ids) and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1))
 
 
 def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
