@@ -196,7 +196,8 @@ def test_softmax_granule_sums_equal_the_torch_path(heads, tiles, columns, lead, 
     hidden = torch.arange(columns)[None, :] > columns - tiles + torch.arange(tiles)[:, None]
     scores.masked_fill_(hidden, float("-inf"))
     rows, key_granules = -(-(lead + tiles) // tiles_per_granule), -(-columns // tiles_per_granule)
-    want = XAttentionSelector._granule_sums(scores[:, None], lead, rows, key_granules, tiles_per_granule, True)
+    want = selector(4, 4 * tiles_per_granule, "head", False)._granule_sums(scores[:, None], lead, rows, key_granules,
+                                                                            tiles_per_granule)
     got = softmax_granule_sums(scores.to(dtype).to(DEVICE), lead, rows, key_granules, tiles_per_granule,
                                block_columns).cpu()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -180,18 +180,17 @@ class XAttentionSelector(BlockSelector):
 
     def granule_mass(self, q: torch.Tensor, keys: torch.Tensor, granule: int,
                      chunk: int | None = None) -> tuple[torch.Tensor, int]:
-        """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head")
-        from the granule holding the first query, and that granule's index. Queries go in chunks of whole
-        granules, so that the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long
-        contexts; tiles never straddle chunks, nor granules (the stride divides the granule). With `fused_estimate`
-        one Triton kernel per chunk (kernels/triton_xattention.py) makes the masses without the scores; the PyTorch
-        path (antidiagonal_scores, then _granule_sums) is its reference. With `fused_granule_sums` the scores' softmax
+        """Estimated mass [Hk, query granules, key granules] ([Hq, ...] with cover "head") from the granule
+        holding the first query, and that granule's index. Queries go in chunks of whole granules, so that
+        the scores of a chunk ([Hq, chunk / stride, seq_len / stride]) stay small at long contexts; tiles
+        never straddle chunks, nor granules (the stride divides the granule). With `fused_estimate` one Triton
+        kernel per chunk (kernels/triton_xattention.py) makes the masses without the scores; the PyTorch path
+        (antidiagonal_scores, then _granule_sums) is its reference. With `fused_granule_sums` the scores' softmax
         and granule sums are one Triton kernel (triton_xattention.softmax_granule_sums)."""
         seq_len = keys.shape[0]
         start = seq_len - q.shape[0]
         first_granule, num_granules = start // granule, -(-seq_len // granule)
         tiles_per_granule = granule // self.stride
-        per_head = self.cover == "head"
         fused = self._fused_estimate(q, granule)
         chunk = chunk or (ESTIMATE_CHUNK if fused is None else FUSED_ESTIMATE_CHUNK)
         step = max(granule, chunk // granule * granule)
@@ -202,7 +201,7 @@ class XAttentionSelector(BlockSelector):
             hi = min(seq_len, lo + step)
             if fused is not None:
                 mass = fused(q, keys, self.stride, granule, lo, hi)  # [Hq, rows, num_granules]
-                parts.append(mass if per_head else mass.view(keys.shape[1], -1, *mass.shape[1:]).sum(1))
+                parts.append(mass if self.cover == "head" else mass.view(keys.shape[1], -1, *mass.shape[1:]).sum(1))
                 continue
             queries = slice(max(lo, start) - start, hi - start)
             rows, key_granules = -(-(hi - lo) // granule), -(-hi // granule)
@@ -211,21 +210,20 @@ class XAttentionSelector(BlockSelector):
             lead = first_tile - lo // self.stride  # zero tiles before the first query, in its granule
             if sums_kernel is not None:
                 sums = sums_kernel(scores.flatten(0, 1), lead, rows, key_granules, tiles_per_granule)
-                sums = sums if per_head else sums.view(keys.shape[1], -1, *sums.shape[1:]).sum(1)
+                sums = sums if self.cover == "head" else sums.view(keys.shape[1], -1, *sums.shape[1:]).sum(1)
             else:
-                sums = self._granule_sums(scores, lead, rows, key_granules, tiles_per_granule, per_head)
+                sums = self._granule_sums(scores, lead, rows, key_granules, tiles_per_granule)
             # the granules past this chunk's keys are added to the (granule-times smaller) sums, not to the tiles
             parts.append(F.pad(sums, (0, num_granules - key_granules)) if key_granules < num_granules else sums)
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), first_granule
 
-    @staticmethod
-    def _granule_sums(scores: torch.Tensor, lead: int, rows: int, key_granules: int, tiles_per_granule: int,
-                      per_head: bool) -> torch.Tensor:
-        """[Hk, or Hq if per_head, rows, key_granules] float32 masses from scores [Hk, group, tiles, key tiles]:
-        the softmax of each tile row, zero tiles before the first query and past the last ones to whole
-        granules, one sum per granule (`softmax_granule_sums` is the one-kernel path)."""
+    def _granule_sums(self, scores: torch.Tensor, lead: int, rows: int, key_granules: int,
+                      tiles_per_granule: int) -> torch.Tensor:
+        """[Hk or Hq, rows, key_granules] float32 masses from scores [Hk, group, tiles, key tiles]: the softmax
+        of each tile row, zero tiles before the first query and past the last ones to whole granules, one
+        sum per granule (`softmax_granule_sums` is the one-kernel path)."""
         probs = scores.softmax(-1)  # in the scores' dtype: half-precision probabilities (float32 inside) on the GPU
-        mass = probs.flatten(0, 1) if per_head else probs.sum(1, dtype=torch.float32)
+        mass = probs.flatten(0, 1) if self.cover == "head" else probs.sum(1, dtype=torch.float32)
         pads = (0, key_granules * tiles_per_granule - mass.shape[2],
                 lead, rows * tiles_per_granule - lead - mass.shape[1])
         whole = F.pad(mass, pads) if any(pads) else mass  # F.pad copies even when nothing is added
