@@ -273,10 +273,13 @@ def test_the_triton_estimate_is_the_default_for_16_bit_cuda_queries_only():
     assert selector(4, 16, "head", False)._fused_estimate(torch.zeros(1, 2, 16, dtype=torch.bfloat16), 16) is None
 
 
-def test_the_covering_kernel_is_the_default_on_cuda_only():
-    """fused_covering None (the default): the kernel for CUDA queries, the PyTorch path on the CPU; True takes it on
-    the CPU too (Triton's interpreter), False nowhere; a threshold of 1 (every block with mass) never."""
+def test_the_covering_kernel_is_off_by_default_and_none_takes_it_on_cuda():
+    """fused_covering False (the default until a GPU has timed it): never; None: the kernel for CUDA queries, the
+    PyTorch path on the CPU; True takes it on the CPU too (Triton's interpreter); a threshold of 1 (every block with
+    mass) never."""
     s = selector(4, 16, "group", None)
+    assert s.fused_covering is False and s._covering_kernel(torch.zeros(1, 2, 16, device=DEVICE)) is None
+    s.fused_covering = None
     assert s._covering_kernel(torch.zeros(1, 2, 16)) is None
     if torch.cuda.is_available():
         assert s._covering_kernel(torch.zeros(1, 2, 16, device="cuda")) is not None
@@ -284,8 +287,6 @@ def test_the_covering_kernel_is_the_default_on_cuda_only():
     assert s._covering_kernel(torch.zeros(1, 2, 16)) is not None
     s.threshold = 1.0
     assert s._covering_kernel(torch.zeros(1, 2, 16)) is None
-    s.threshold, s.fused_covering = 0.9, False
-    assert s._covering_kernel(torch.zeros(1, 2, 16, device=DEVICE)) is None
 
 
 def test_estimate_kernels_compile_for_sm90_without_a_gpu():

@@ -42,8 +42,9 @@ class AttentionBackend(ABC):
     name: str
     supports_cuda_graphs = False  # True when the decode path reads only metadata tensors (no host lists)
     # a block-sparse prefill's per-layer tables on CUDA by one Triton kernel (kernels/triton_group_tables.py)
-    # instead of the PyTorch path (kv_access.group_tables_reference)
-    group_tables_kernel = True
+    # instead of the PyTorch path (kv_access.group_tables_reference); off until a GPU has run and timed it
+    # (bench/sparse.py --triton-selection-peer)
+    group_tables_kernel = False
 
     def build_metadata(
         self,

@@ -46,9 +46,9 @@ class XAttentionSelector(BlockSelector):
         self.fused_estimate: bool | None = None
         # the fewest covering blocks of each row, with the diagonal and the sink, by one Triton kernel
         # (triton_xattention.covering_blocks: a bisection over the cutoff, no sort) instead of the PyTorch path (a
-        # sort, a cumulative sum, a scatter): None (the default) on CUDA, True wherever Triton runs (the CPU
-        # interpreter's tests), False never
-        self.fused_covering: bool | None = None
+        # sort, a cumulative sum, a scatter): None on CUDA, True wherever Triton runs (the CPU interpreter's
+        # tests), False (the default until a GPU has run and timed it: bench/sparse.py --triton-selection-peer) never
+        self.fused_covering: bool | None = False
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
         self.fused_granule_sums = True
