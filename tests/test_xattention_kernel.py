@@ -274,7 +274,7 @@ def test_the_triton_estimate_is_the_default_for_16_bit_cuda_queries_only():
 
 
 def test_the_covering_kernel_is_off_by_default_and_none_takes_it_on_cuda():
-    """fused_covering False (the default until a GPU has timed it): never; None: the kernel for CUDA queries, the
+    """fused_covering False (the default: timed, no faster): never; None: the kernel for CUDA queries, the
     PyTorch path on the CPU; True takes it on the CPU too (Triton's interpreter); a threshold of 1 (every block with
     mass) never."""
     s = selector(4, 16, "group", None)

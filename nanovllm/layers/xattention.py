@@ -47,7 +47,8 @@ class XAttentionSelector(BlockSelector):
         # the fewest covering blocks of each row, with the diagonal and the sink, by one Triton kernel
         # (triton_xattention.covering_blocks: a bisection over the cutoff, no sort) instead of the PyTorch path (a
         # sort, a cumulative sum, a scatter): None on CUDA, True wherever Triton runs (the CPU interpreter's
-        # tests), False (the default until a GPU has run and timed it: bench/sparse.py --triton-selection-peer) never
+        # tests), False (the default: no faster on an H100, 5.29 vs 5.30 s for a 128K prefill with the group-tables
+        # kernel too, bench/sparse.py --triton-selection-peer, docs/BENCHMARKS.md) never
         self.fused_covering: bool | None = False
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200

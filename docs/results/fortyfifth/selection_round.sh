@@ -4,7 +4,8 @@
 # peer, then where the XAttention prefill's time goes now. From the repo root on the device machine:
 #   bash docs/results/fortyfifth/selection_round.sh
 # Logs go to $OUT (or /tmp/round). If the peer is faster, turn them on by default: XAttentionSelector.fused_covering
-# None and AttentionBackend.group_tables_kernel True.
+# None and AttentionBackend.group_tables_kernel True. (Run in the forty-sixth session: no faster, both stay
+# off.)
 set -u
 source bench/device/on_device.sh
 out=${OUT:-/tmp/round}
@@ -15,6 +16,7 @@ timeout 120 python3 -m pytest -q tests/test_group_tables.py tests/test_xattentio
 (cd bench && timeout 300 python3 sparse.py --e2e-contexts 131072 --e2e-chunk 32768 --triton-selection-peer \
   --skip-prefill --skip-offload --skip-gpu-only > "$out/e2e_selection.log" 2>&1)
 grep "end-to-end" "$out/e2e_selection.log"
-(cd bench && timeout 150 python3 ../docs/results/thirtyninth/e2e_probe.py --policies xattention --triton-selection \
+(cd bench && PYTHONPATH=$PYTHONPATH:$PWD timeout 150 python3 ../docs/results/thirtyninth/e2e_probe.py \
+  --policies xattention --triton-selection \
   > "$out/e2e_probe.log" 2>&1)
 grep -v "^  shape" "$out/e2e_probe.log" | grep -v Warn | head -40

@@ -6,7 +6,8 @@ group cover, chunks of --chunk tokens), a warm run, then for each: (1) a run und
 (the union of kernel and copy intervals), the gaps between device activity longer than 20 us summed by the host op
 that was running when the gap began, and the kernels by total time.
 
-    cd bench && python3 ../docs/results/thirtyninth/e2e_probe.py [--context 131071] [--chunk 32768]
+    cd bench && PYTHONPATH=$PYTHONPATH:$PWD python3 ../docs/results/thirtyninth/e2e_probe.py [--context 131071] \
+        [--chunk 32768]
 """
 from __future__ import annotations
 
