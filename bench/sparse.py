@@ -322,23 +322,19 @@ def with_key_copy(llm: LLM, bits: int = 8) -> QuestSelector:
 
 def set_variant(llm, variant: str) -> None:
     """The XAttention engine as the default ("default"), with its estimate's tiles by a flip and layout copies
-    ("flip_copy"), with the prefill kernel's programs over a KV head's query heads ("packed_heads"), with the
-    estimate's PyTorch path instead of the Triton estimate ("torch_estimate"; flip_copy takes that path too) or with
-    the selections' covering blocks and the kernel's tables by one Triton kernel each instead of the PyTorch path
-    (the default for now; "triton_selection")."""
+    ("flip_copy"), with the prefill kernel's programs over a KV head's query heads ("packed_heads") or with the
+    estimate's PyTorch path instead of the Triton estimate ("torch_estimate"; flip_copy takes that path too)."""
     selector = llm.runner.worker.selector
     if not isinstance(selector, XAttentionSelector):
         raise TypeError(f"the XAttention engine's selector is a {type(selector).__name__}")
     selector.one_copy_tiles = variant != "flip_copy"
     selector.fused_estimate = False if variant in ("torch_estimate", "flip_copy") else None
-    selector.fused_covering = None if variant == "triton_selection" else False
     llm.runner.worker.backend.pack_heads = variant == "packed_heads"
-    llm.runner.worker.backend.group_tables_kernel = variant == "triton_selection"
 
 
 def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
                        flip_copy_peer: bool = False, packed_heads_peer: bool = False, torch_estimate_peer: bool = False,
-                       triton_selection_peer: bool = False, **options) -> dict:
+                       **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
     untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
@@ -349,9 +345,7 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     its estimate's tiles made by a flip and layout copies (`XAttentionSelector.one_copy_tiles` off);
     packed_heads_peer: also with the prefill kernel's programs over a KV head's query heads (the backend's
     `pack_heads`); torch_estimate_peer: also with the estimate's PyTorch path (`XAttentionSelector.fused_estimate`
-    off: a bmm of the scores, then their softmax and granule sums); triton_selection_peer: also with the covering
-    blocks and the prefill kernel's tables by one Triton kernel each (`XAttentionSelector.fused_covering` None and
-    the backend's `group_tables_kernel` on) instead of sorts, cumulative sums, scatters and gathers.
+    off: a bmm of the scores, then their softmax and granule sums).
     options: further engine options (both engines)."""
     import time
 
@@ -367,8 +361,7 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     vocab = engines["full"].config.hf_config["vocab_size"]
     prompt = random_prompts(vocab, 1, context, context)[0]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer, "torch_estimate": torch_estimate_peer,
-             "triton_selection": triton_selection_peer}
+    peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer, "torch_estimate": torch_estimate_peer}
     runs = [("full", "default"), ("xattention", "default")] + [("xattention", v) for v, on in peers.items() if on]
     seconds, density = {run: [] for run in runs}, None
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -483,10 +476,6 @@ def main() -> None:
     ap.add_argument("--torch-estimate-peer", action="store_true",
                     help="the end-to-end prefill's XAttention engine also with the estimate's PyTorch path "
                          "(XAttentionSelector.fused_estimate off)")
-    ap.add_argument("--triton-selection-peer", action="store_true",
-                    help="the end-to-end prefill's XAttention engine also with the covering blocks and the prefill "
-                         "kernel's tables by one Triton kernel each (XAttentionSelector.fused_covering None, the "
-                         "backend's group_tables_kernel on)")
     ap.add_argument("--e2e-chunk", type=int, default=8192,
                     help="max_num_batched_tokens of both engines of the random-weight prefill (the engine's default)")
     args = ap.parse_args()
@@ -511,7 +500,7 @@ def main() -> None:
         results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
             args.config, context, args.e2e_threshold, args.e2e_cover, flip_copy_peer=args.flip_copy_peer,
             packed_heads_peer=args.packed_heads_peer, torch_estimate_peer=args.torch_estimate_peer,
-            triton_selection_peer=args.triton_selection_peer, max_num_batched_tokens=args.e2e_chunk))
+            max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)

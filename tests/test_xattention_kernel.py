@@ -117,66 +117,6 @@ def test_forced_blocks_through_the_kernel_equal_the_torch_path():
     assert not kept[0][:, 7 - first, :8].all()
 
 
-def causal_masses(heads, rows, columns, first, seed):
-    """Granule masses [heads, rows, columns] as an estimate makes them: none past each row's diagonal (column
-    first + row), skewed so that a few columns hold most of a row's mass; a head with none in its first row."""
-    g = torch.Generator().manual_seed(seed)
-    mass = torch.rand(heads, rows, columns, generator=g) ** 4
-    hidden = torch.arange(columns)[None, :] > first + torch.arange(rows)[:, None]
-    mass.masked_fill_(hidden, 0.0)
-    mass[-1, 0] = 0.0
-    return mass
-
-
-@pytest.mark.parametrize("threshold", [0.2, 0.5, 0.9, 0.99])
-@pytest.mark.parametrize("heads, rows, columns, first, block_columns", [
-    (8, 5, 37, 10, 1024), (4, 3, 16, 13, 1024), (6, 7, 300, 100, 1024),
-    (3, 4, 300, 150, 64),  # a row over several loop steps
-])
-def test_covering_kernel_equals_the_torch_path(heads, rows, columns, first, block_columns, threshold):
-    """covering_blocks against the PyTorch path (the fewest covering columns by a sort; the diagonal and the
-    sink): the same blocks, a row without mass keeping only those two."""
-    pytest.importorskip("triton")
-    from nanovllm.kernels.triton_xattention import covering_blocks
-
-    mass = causal_masses(heads, rows, columns, first, seed=heads * rows + columns)
-    s = XAttentionSelector(None, None, threshold=threshold, stride=4, block_size=16, min_context=0)
-    want = s._fewest_covering(mass)
-    want.diagonal(first, 1, 2).fill_(True)
-    want[:, :, 0] = True
-    got = covering_blocks(mass.to(DEVICE), threshold, first, block_columns).cpu()
-    assert torch.equal(got, want)
-    assert got[-1, 0].nonzero().flatten().tolist() == [0, first]  # the head without mass in its first row
-
-
-def test_covering_kernel_keeps_every_block_tied_at_the_cutoff():
-    """Where blocks of equal mass straddle the threshold the kernel keeps all of them (the sort keeps those it
-    happens to rank first): 4 x 0.25 at threshold 0.5 keep 4, 0.4 0.3 0.3 keep 0.4 and both 0.3; and a block
-    whose mass alone passes keeps only itself with the sink and the diagonal."""
-    pytest.importorskip("triton")
-    from nanovllm.kernels.triton_xattention import covering_blocks
-
-    mass = torch.tensor([[[0.25, 0.25, 0.25, 0.25, 0.0]], [[0.0, 0.4, 0.3, 0.3, 0.0]], [[0.0, 0.1, 0.8, 0.1, 0.0]]])
-    got = covering_blocks(mass.to(DEVICE), 0.5, 4).cpu()
-    assert got[:, 0].tolist() == [[True] * 5, [True] * 5, [True, False, True, False, True]]
-
-
-def test_selection_through_the_covering_kernel_equals_the_torch_path():
-    """sequence_selection with the covering kernel and without: the same blocks, at KV blocks of one and of two
-    granules, both covers."""
-    pytest.importorskip("triton")
-    q, keys = inputs(700, 333, 2, 4, 16, torch.float32)
-    for cover in ("group", "head"):
-        s = selector(8, 32, cover, False)
-        s.threshold = 0.5
-        for kv_block in (32, 64):
-            s.fused_covering = True
-            got = s.sequence_selection(q.to(DEVICE), keys.to(DEVICE), kv_block).cpu()
-            s.fused_covering = False
-            want = s.sequence_selection(q, keys, kv_block)
-            assert torch.equal(got, want) and not got.all()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_columns", [1024, 256, 16])  # 1024: the default
 @pytest.mark.parametrize("heads, tiles, columns, lead, tiles_per_granule, spread",
@@ -271,22 +211,6 @@ def test_the_triton_estimate_is_the_default_for_16_bit_cuda_queries_only():
         assert s._fused_estimate(torch.zeros(1, 2, 16, device="cuda"), 16) is None
     assert selector(4, 16, "head", True)._fused_estimate(torch.zeros(1, 2, 16), 16) is not None
     assert selector(4, 16, "head", False)._fused_estimate(torch.zeros(1, 2, 16, dtype=torch.bfloat16), 16) is None
-
-
-def test_the_covering_kernel_is_off_by_default_and_none_takes_it_on_cuda():
-    """fused_covering False (the default: timed, no faster): never; None: the kernel for CUDA queries, the
-    PyTorch path on the CPU; True takes it on the CPU too (Triton's interpreter); a threshold of 1 (every block with
-    mass) never."""
-    s = selector(4, 16, "group", None)
-    assert s.fused_covering is False and s._covering_kernel(torch.zeros(1, 2, 16, device=DEVICE)) is None
-    s.fused_covering = None
-    assert s._covering_kernel(torch.zeros(1, 2, 16)) is None
-    if torch.cuda.is_available():
-        assert s._covering_kernel(torch.zeros(1, 2, 16, device="cuda")) is not None
-    s.fused_covering = True
-    assert s._covering_kernel(torch.zeros(1, 2, 16)) is not None
-    s.threshold = 1.0
-    assert s._covering_kernel(torch.zeros(1, 2, 16)) is None
 
 
 def test_estimate_kernels_compile_for_sm90_without_a_gpu():

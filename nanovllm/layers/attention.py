@@ -41,10 +41,6 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str
     supports_cuda_graphs = False  # True when the decode path reads only metadata tensors (no host lists)
-    # a block-sparse prefill's per-layer tables on CUDA by one Triton kernel (kernels/triton_group_tables.py)
-    # instead of the PyTorch path (kv_access.group_tables_reference); off: with the covering kernel no faster on
-    # an H100 (5.29 vs 5.30 s for a 128K prefill, bench/sparse.py --triton-selection-peer)
-    group_tables_kernel = False
 
     def build_metadata(
         self,

@@ -353,19 +353,6 @@ def group_plan_key(selection: Selection) -> tuple[int | None, ...]:
     return tuple(None if m is None else m.dim() for m in selection)
 
 
-def group_tables_reference(mask: torch.Tensor, pool_ids: torch.Tensor, short: torch.Tensor | None, width: int,
-                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group and KV head the ids of the blocks of mask [G, Hk, C] that pool_ids [G, C] names (-1: not in the
-    pool) in position order, [G, Hk, width] (-1 padded), and the KV length they hold [G, Hk]: their tokens, plus
-    short [G, 1] (a causal group's last block partly filled) where given. triton_group_tables.group_tables is the
-    one-kernel path."""
-    keep = mask & (pool_ids >= 0)[:, None, :]
-    kept = keep.sum(-1)  # [G, Hk]
-    order = torch.sort(keep.to(torch.int8), dim=-1, descending=True, stable=True).indices  # kept first, in order
-    tables = torch.where(keep, pool_ids[:, None, :], -1).gather(-1, order[..., :width])  # dropped ones: -1
-    return tables, kept * block_size if short is None else kept * block_size + short
-
-
 def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: torch.Tensor, block_size: int,
                    device: torch.device, causal: bool = True, shared: dict | None = None) -> AttentionMetadata:
     """Per-KV-head metadata, one "sequence" per group, over the blocks each head attends that pool_ids
@@ -373,16 +360,15 @@ def group_metadata(backend: AttentionBackend, groups: QueryGroups, pool_ids: tor
     precede the group's queries, so compacting them away keeps the mask right; else the kept blocks are
     history. Built with tensor operations (no loop over blocks) and without a sync: the tables' width and
     the lengths' bounds come from the groups' ends, known on the host."""
+    keep = groups.mask & (pool_ids >= 0)[:, None, :]
+    kept = keep.sum(-1)  # [G, Hk]
+    order = torch.sort(keep.to(torch.int8), dim=-1, descending=True, stable=True).indices  # kept first, in order
     visible = groups.visible_blocks(block_size)
-    width = max(1, min(groups.mask.shape[-1], max(visible, default=1)))
-    short = groups.short_of_kept if causal else None
-    if backend.group_tables_kernel and groups.mask.is_cuda:
-        from nanovllm.kernels.triton_group_tables import group_tables
-
-        tables, lengths = group_tables(groups.mask, pool_ids, None if short is None else short.view(-1), width,
-                                       block_size)
+    width = max(1, min(keep.shape[-1], max(visible, default=1)))
+    tables = torch.where(keep, pool_ids[:, None, :], -1).gather(-1, order[..., :width])  # dropped ones: -1
+    if causal:
+        lengths, bounds = kept * block_size + groups.short_of_kept, groups.ends
     else:
-        tables, lengths = group_tables_reference(groups.mask, pool_ids, short, width, block_size)
-    bounds = groups.ends if causal else [v * block_size for v in visible]
+        lengths, bounds = kept * block_size, [v * block_size for v in visible]
     return backend.build_head_metadata(groups.count, lengths, tables, block_size, device, max_seq_lens=bounds,
                                        shared=shared)

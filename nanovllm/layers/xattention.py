@@ -44,12 +44,6 @@ class XAttentionSelector(BlockSelector):
         # queries, True wherever it applies (the CPU interpreter's tests), False never. 7.3 vs 11.8 ms a layer
         # over a 128K prefill on an H100 (docs/BENCHMARKS.md)
         self.fused_estimate: bool | None = None
-        # the fewest covering blocks of each row, with the diagonal and the sink, by one Triton kernel
-        # (triton_xattention.covering_blocks: a bisection over the cutoff, no sort) instead of the PyTorch path (a
-        # sort, a cumulative sum, a scatter): None on CUDA, True wherever Triton runs (the CPU interpreter's
-        # tests), False (the default: no faster on an H100, 5.29 vs 5.30 s for a 128K prefill with the group-tables
-        # kernel too, bench/sparse.py --triton-selection-peer, docs/BENCHMARKS.md) never
-        self.fused_covering: bool | None = False
         # the softmax and the granule sums of the PyTorch path's scores in one Triton kernel
         # (triton_xattention.softmax_granule_sums) on CUDA: 13.1 vs 17.4 ms per 128K estimate on the H200
         self.fused_granule_sums = True
@@ -160,18 +154,14 @@ class XAttentionSelector(BlockSelector):
     def sequence_selection(self, q: torch.Tensor, keys: torch.Tensor, kv_block: int) -> torch.Tensor:
         """q [n_q, Hq, D] (the last n_q of seq_len positions), keys [seq_len, Hk, D] -> bool
         [Hk, query blocks, blocks] at KV-block granularity, on q's device."""
-        seq_len, num_kv_heads = keys.shape[:2]
+        seq_len = keys.shape[0]
         granule = max(kv_block, self.block_size)
         blocks, first_granule = self.granule_mass(q, keys, granule)
-        covering = self._covering_kernel(q)
-        if covering is not None:
-            keep = covering(blocks, self.threshold, first_granule)
-        else:
-            keep = self._fewest_covering(blocks)
-            keep.diagonal(first_granule, 1, 2).fill_(True)  # the diagonal (no index_put: its value is a host scalar)
-            keep[:, :, 0].fill_(True)  # the sink
+        keep = self._fewest_covering(blocks)
         if self.cover == "head":  # [Hq, ...] -> [Hk, ...]
-            keep = keep.view(num_kv_heads, -1, *keep.shape[1:]).any(1)
+            keep = keep.view(keys.shape[1], -1, *keep.shape[1:]).any(1)
+        keep.diagonal(first_granule, 1, 2).fill_(True)  # the diagonal (no index_put: its value is a host scalar)
+        keep[:, :, 0].fill_(True)  # the sink
         if granule == kv_block:
             return keep
         n, first_block = -(-seq_len // kv_block), (seq_len - q.shape[0]) // kv_block
@@ -253,15 +243,6 @@ class XAttentionSelector(BlockSelector):
         except ImportError:
             return None
         return estimate_granule_mass if _has_tma(q.device) and estimate_applies(q, self.stride, granule) else None
-
-    def _covering_kernel(self, q: torch.Tensor):
-        """triton_xattention.covering_blocks where it is asked for and applies (a threshold below 1); else None,
-        and the PyTorch path (`_fewest_covering`), its reference, runs."""
-        if self.fused_covering is False or self.fused_covering is None and not q.is_cuda or self.threshold >= 1.0:
-            return None
-        from nanovllm.kernels.triton_xattention import covering_blocks
-
-        return covering_blocks
 
     def _fewest_covering(self, blocks: torch.Tensor) -> torch.Tensor:
         """Per row of [Hk, rows, key blocks] masses, the fewest key blocks whose mass reaches threshold."""

@@ -4,8 +4,8 @@
 # peer, then where the XAttention prefill's time goes now. From the repo root on the device machine:
 #   bash docs/results/fortyfifth/selection_round.sh
 # Logs go to $OUT (or /tmp/round). If the peer is faster, turn them on by default: XAttentionSelector.fused_covering
-# None and AttentionBackend.group_tables_kernel True. (Run in the forty-sixth session: no faster, both stay
-# off.)
+# None and AttentionBackend.group_tables_kernel True. (Run in the forty-sixth session: no faster; the kernels
+# were removed after it, so this script runs only on commit c793590.)
 set -u
 source bench/device/on_device.sh
 out=${OUT:-/tmp/round}

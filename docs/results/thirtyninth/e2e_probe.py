@@ -77,9 +77,6 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32768)
     ap.add_argument("--threshold", type=float, default=0.2)
     ap.add_argument("--policies", nargs="+", default=["xattention", "full"])
-    ap.add_argument("--triton-selection", action="store_true",
-                    help="XAttention's covering blocks and the prefill kernel's tables by their Triton kernels "
-                         "(XAttentionSelector.fused_covering None, the backend's group_tables_kernel on)")
     args = ap.parse_args()
     block = 256
     max_model_len = args.context + 1
@@ -89,9 +86,6 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for name in args.policies:
         llm = LLM(args.config, sparse_policy=name, **common)
-        if args.triton_selection and name == "xattention":
-            llm.runner.worker.selector.fused_covering = None
-            llm.runner.worker.backend.group_tables_kernel = True
         prompt = random_prompts(llm.config.hf_config["vocab_size"], 1, args.context, args.context)[0]
         llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
