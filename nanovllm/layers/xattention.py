@@ -259,7 +259,7 @@ class XAttentionSelector(BlockSelector):
 
 def _consecutive(ids: list[int]) -> bool:
     """ids are n consecutive ascending integers."""
-    return bool(ids) and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1))
+    return bool(ids) and ids == list(range(ids[0], ids[0] + len(ids)))
 
 
 def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
