@@ -320,13 +320,15 @@ def with_key_copy(llm: LLM, bits: int = 8) -> QuestSelector:
                          max_model_len=bound.max_model_len, device_keys=bound.device_keys, host_keys=bound.host_keys)
 
 
-def set_variant(llm, variant: str) -> None:
+def set_variant(llm, variant: str, threshold: float) -> None:
     """The XAttention engine as the default ("default"), with its estimate's tiles by a flip and layout copies
-    ("flip_copy"), with the prefill kernel's programs over a KV head's query heads ("packed_heads") or with the
-    estimate's PyTorch path instead of the Triton estimate ("torch_estimate"; flip_copy takes that path too)."""
+    ("flip_copy"), with the prefill kernel's programs over a KV head's query heads ("packed_heads"), with the
+    estimate's PyTorch path instead of the Triton estimate ("torch_estimate"; flip_copy takes that path too) or at
+    another threshold ("threshold_T": T instead of `threshold`)."""
     selector = llm.runner.worker.selector
     if not isinstance(selector, XAttentionSelector):
         raise TypeError(f"the XAttention engine's selector is a {type(selector).__name__}")
+    selector.threshold = float(variant.removeprefix("threshold_")) if variant.startswith("threshold_") else threshold
     selector.one_copy_tiles = variant != "flip_copy"
     selector.fused_estimate = False if variant in ("torch_estimate", "flip_copy") else None
     llm.runner.worker.backend.pack_heads = variant == "packed_heads"
@@ -334,7 +336,7 @@ def set_variant(llm, variant: str) -> None:
 
 def e2e_prefill_random(config: str, context: int, threshold: float, cover: str = "group", reps: int = 2,
                        flip_copy_peer: bool = False, packed_heads_peer: bool = False, torch_estimate_peer: bool = False,
-                       **options) -> dict:
+                       peer_thresholds: tuple[float, ...] = (), **options) -> dict:
     """End-to-end prefill (time to the first token) of one random `context`-token prompt through a model of random
     weights, dense and XAttention (sparse_min_context 0) engines alternating in one process, the first run of each
     untimed. Random weights give near-uniform attention: the fewest blocks covering `threshold` of the estimated
@@ -345,7 +347,8 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     its estimate's tiles made by a flip and layout copies (`XAttentionSelector.one_copy_tiles` off);
     packed_heads_peer: also with the prefill kernel's programs over a KV head's query heads (the backend's
     `pack_heads`); torch_estimate_peer: also with the estimate's PyTorch path (`XAttentionSelector.fused_estimate`
-    off: a bmm of the scores, then their softmax and granule sums).
+    off: a bmm of the scores, then their softmax and granule sums); peer_thresholds: also at these thresholds (the
+    same engine, its selector's threshold switched between runs), each with its density.
     options: further engine options (both engines)."""
     import time
 
@@ -363,21 +366,23 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     peers = {"flip_copy": flip_copy_peer, "packed_heads": packed_heads_peer, "torch_estimate": torch_estimate_peer}
     runs = [("full", "default"), ("xattention", "default")] + [("xattention", v) for v, on in peers.items() if on]
-    seconds, density = {run: [] for run in runs}, None
+    runs += [("xattention", f"threshold_{t}") for t in peer_thresholds]
+    seconds, densities = {run: [] for run in runs}, {}
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for rep in range(reps + 1):
         for name, variant in runs:
             llm = engines[name]
             if name == "xattention":
-                set_variant(llm, variant)
+                set_variant(llm, variant, threshold)
             synchronize()
             start = time.perf_counter()
             out = llm.generate([prompt], first, use_tqdm=False)[0]
             synchronize()
             if rep:  # the first run compiles what the prompt meets
                 seconds[name, variant].append(time.perf_counter() - start)
-            if name == "xattention" and variant == "default":
-                density = out.metrics.prefill_density
+            if name == "xattention":
+                densities[variant] = out.metrics.prefill_density
+    density = densities["default"]
     dense, sparse = min(seconds["full", "default"]), min(seconds["xattention", "default"])
     chunk = engines["full"].config.max_num_batched_tokens
     result = dict(context=context, threshold=threshold, cover=cover, max_num_batched_tokens=chunk, density=density,
@@ -386,7 +391,8 @@ def e2e_prefill_random(config: str, context: int, threshold: float, cover: str =
     for name, variant in runs[2:]:
         result[f"xattention_{variant}_s"] = t = min(seconds[name, variant])
         result[f"speedup_{variant}"] = dense / t
-        peer += f"; {variant.replace('_', ' ')} {t:.2f} s -> {dense / t:.2f}x"
+        result[f"density_{variant}"] = densities[variant]
+        peer += f"; {variant.replace('_', ' ')} {t:.2f} s at density {densities[variant]:.3f} -> {dense / t:.2f}x"
     log(f"end-to-end prefill 1 x {context} (random weights, threshold {threshold}, cover {cover}, "
         f"chunks of {chunk}): dense {dense:.2f} s, XAttention {sparse:.2f} s at density {density:.3f} -> "
         f"{dense / sparse:.2f}x{peer} (best of {reps})")
@@ -465,6 +471,8 @@ def main() -> None:
                     help="end-to-end prefill of one random prompt of each length on --config's random weights, dense "
                          "vs XAttention at --e2e-threshold (the density follows it)")
     ap.add_argument("--e2e-threshold", type=float, default=0.2)
+    ap.add_argument("--e2e-peer-thresholds", nargs="+", type=float, default=[],
+                    help="the end-to-end prefill's XAttention engine also at these thresholds (densities)")
     ap.add_argument("--e2e-cover", choices=("head", "group"), default="group",
                     help="xattn_cover of the random-weight prefill (group: the threshold sets the density)")
     ap.add_argument("--flip-copy-peer", action="store_true",
@@ -500,7 +508,7 @@ def main() -> None:
         results.setdefault("e2e_prefill_random", []).append(e2e_prefill_random(
             args.config, context, args.e2e_threshold, args.e2e_cover, flip_copy_peer=args.flip_copy_peer,
             packed_heads_peer=args.packed_heads_peer, torch_estimate_peer=args.torch_estimate_peer,
-            max_num_batched_tokens=args.e2e_chunk))
+            peer_thresholds=tuple(args.e2e_peer_thresholds), max_num_batched_tokens=args.e2e_chunk))
         release_memory()
     if args.model and args.samples_file:
         results["e2e_prefill"] = e2e_prefill(args.model, args.samples_file, args.prompts, args.threshold, args.cover)

@@ -32,3 +32,14 @@ def test_a_context_at_the_models_limit_prefills_one_token_fewer(tiny_llama):
     for peer in ("flip_copy", "packed_heads", "torch_estimate"):
         assert result[f"xattention_{peer}_s"] > 0
         assert result[f"speedup_{peer}"] == result["dense_s"] / result[f"xattention_{peer}_s"]
+
+
+def test_threshold_peers_switch_the_same_engine_to_their_density(tiny_llama):
+    """A threshold peer times the XAttention engine at another threshold: its density is what an engine built at that
+    threshold gets (the switch reaches the selector and is undone for the default's runs)."""
+    options = dict(reps=1, device="cpu", dtype="float32", kvcache_block_size=16, xattn_block_size=16, xattn_stride=4,
+                   max_num_batched_tokens=256)
+    both = e2e_prefill_random(str(tiny_llama), 480, 0.2, peer_thresholds=(0.8,), **options)
+    alone = e2e_prefill_random(str(tiny_llama), 480, 0.8, **options)
+    assert both["density_threshold_0.8"] == alone["density"] > both["density"]
+    assert both["speedup_threshold_0.8"] == both["dense_s"] / both["xattention_threshold_0.8_s"]
