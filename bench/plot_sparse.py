@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 TARGETS = {2048: 20.0, 4096: 10.0}  # issue #15: offload decode at 128K, speed-up over dense offload per budget
+E2E_TARGET = 2.0  # issue #15: the end-to-end 128K prefill over dense
 
 
 def peer_label(name: str) -> tuple[str, int | None]:
@@ -28,16 +29,20 @@ def peer_label(name: str) -> tuple[str, int | None]:
     return label, budget
 
 
-def points(results: list[dict]) -> tuple[list[tuple], list[tuple], list[tuple]]:
+def points(results: list[dict]) -> tuple[list[tuple], list[tuple], list[tuple], list[tuple]]:
     """(context, stride, density, speed-up vs fastest dense) per one-layer prefill row; (context, density,
-    speed-up) per end-to-end prefill row; (case, selection, budget, speed-up) per decode peer."""
-    prefill, e2e, decode = [], [], []
+    speed-up) per end-to-end prefill row; (case, selection, budget, speed-up) per decode peer; (context, density,
+    speed-up) per end-to-end prefill row and threshold peer of one (`--e2e-peer-thresholds`)."""
+    prefill, e2e, decode, by_density = [], [], [], []
     for r in results:
         for row in r.get("prefill_attention", []):
             prefill.append((row["context"], row["stride"], row["density"], row["speedup_vs_fastest_dense"]))
         for row in r.get("e2e_prefill_random", []):
             # runs from before one-copy tiles were the default name the default's peer speedup_one_copy
             e2e.append((row["context"], row["density"], row.get("speedup_one_copy", row["speedup"])))
+            by_density.append(e2e[-1])
+            by_density += [(row["context"], row[f"density_{k[8:]}"], row[k]) for k in row
+                           if k.startswith("speedup_threshold_")]
         for mode in ("offload_decode", "gpu_only_decode"):
             for case in r.get(mode, []):
                 where = "offload" if mode == "offload_decode" else "GPU-only"
@@ -46,7 +51,7 @@ def points(results: list[dict]) -> tuple[list[tuple], list[tuple], list[tuple]]:
                     if isinstance(result, dict) and "speedup_vs_dense" in result:
                         label, budget = peer_label(peer)
                         decode.append((name, label, budget, result["speedup_vs_dense"]))
-    return prefill, e2e, decode
+    return prefill, e2e, decode, by_density
 
 
 def main() -> None:
@@ -56,8 +61,13 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     out, files = sys.argv[1], sys.argv[2:]
-    prefill, e2e, decode = points([json.loads(Path(f).read_text()) for f in files])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1, 2]})
+    prefill, e2e, decode, by_density = points([json.loads(Path(f).read_text()) for f in files])
+    curves = {c: sorted((d, s) for c2, d, s in by_density if c2 == c) for c in {p[0] for p in by_density}}
+    curves = {c: rows for c, rows in curves.items() if len(rows) > 1}
+    widths = [1, 2] + ([1] if curves else [])
+    fig, axes = plt.subplots(1, len(widths), figsize=(15 + 5 * bool(curves), 5.5),
+                             gridspec_kw={"width_ratios": widths})
+    left, right = axes[:2]
     series = [(f"one layer, stride {s}", sorted((p[0], p[2], p[3]) for p in prefill if p[1] == s))
               for s in sorted({p[1] for p in prefill})] + ([("end to end", sorted(e2e))] if e2e else [])
     for label, rows in series:
@@ -84,11 +94,24 @@ def main() -> None:
     right.set_xticks(range(len(cases)), cases)
     right.set(ylabel="speed-up vs dense decode, same sequences", title="Quest decode")
     right.legend(fontsize=8, ncol=2)
+    if curves:
+        plot_density_curves(axes[2], curves)
     fig.suptitle("Block-sparse attention, Llama-3.1-8B shape, random weights (bench/sparse.py; each speed-up against "
                  "the dense peer of the same run on the same GPU)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"chart written to {out}")
+
+
+def plot_density_curves(ax, curves: dict[int, list[tuple[float, float]]]) -> None:
+    """End-to-end prefill speed-up against density, one line per context, the issue's 2x target dashed."""
+    for context, rows in sorted(curves.items()):
+        ax.plot([d for d, _ in rows], [s for _, s in rows], marker="o", label=f"{round(context / 1024)}K")
+    ax.axhline(E2E_TARGET, color="grey", lw=0.8, ls="--")
+    ax.annotate(f"target {E2E_TARGET:g}x", (min(d for rows in curves.values() for d, _ in rows), E2E_TARGET),
+                fontsize=8, va="bottom")
+    ax.set(xlabel="prefill density", ylabel="speed-up vs dense, same run", title="XAttention end to end")
+    ax.legend()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ def test_peer_names_read_as_selection_and_budget(name, want):
 
 RESULTS = [
     {"prefill_attention": [{"context": 32768, "stride": 16, "density": 0.18, "speedup_vs_fastest_dense": 2.3}]},
-    {"e2e_prefill_random": [{"context": 131071, "density": 0.21, "speedup": 1.91, "speedup_one_copy": 1.92},
+    {"e2e_prefill_random": [{"context": 131071, "density": 0.21, "speedup": 1.91, "speedup_one_copy": 1.92,
+                             "speedup_threshold_0.1": 3.1, "density_threshold_0.1": 0.11},
                             {"context": 32767, "density": 0.24, "speedup": 1.26}]},
     {"offload_decode": [{"batch": 4, "context": 130560, "dense": {"decode_ms": 1295.5},
                          "quest_pages_2048_rerank2": {"decode_ms": 49.7, "speedup_vs_dense": 26.0}}],
@@ -36,9 +37,10 @@ RESULTS = [
 
 
 def test_every_result_kind_becomes_a_point():
-    prefill, e2e, decode = points(RESULTS)
+    prefill, e2e, decode, by_density = points(RESULTS)
     assert prefill == [(32768, 16, 0.18, 2.3)]
     assert e2e == [(131071, 0.21, 1.92), (32767, 0.24, 1.26)]  # the default's speed-up (one-copy tiles)
+    assert by_density == [(131071, 0.21, 1.92), (131071, 0.11, 3.1), (32767, 0.24, 1.26)]  # with threshold peers
     assert decode == [("offload 4 x 128K", "pages + rerank 2", 2048, 26.0), ("GPU-only 1 x 128K", "blocks", 2048, 1.1)]
 
 
