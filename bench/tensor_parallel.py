@@ -87,6 +87,11 @@ def throughput(llm: LLM, count: int, in_len: int, out_len: int) -> float:
     return count * out_len / (time.perf_counter() - start)
 
 
+def against_floor(floor: float | None, ms: float) -> str:
+    """ "floor F ms, R x" for a log line; "no floor" where none applies (the CPU)."""
+    return "no floor" if not floor else f"floor {floor:.3f} ms, {ms / floor:.3f}x"
+
+
 def floor_ms(llm: LLM, context: int, bandwidth: float | None) -> float | None:
     """One rank's bytes per decode step (its weights and its KV heads' share of the context) over HBM bandwidth."""
     if bandwidth is None:
@@ -108,8 +113,7 @@ def run(model: str, tp: int, options: dict, args, bandwidth: float | None) -> di
             decode.append({"context": context, "ms_per_token": round(ms, 3),
                            "floor_ms": None if floor is None else round(floor, 3),
                            "vs_floor": None if floor is None else round(ms / floor, 3)})
-            log(f"TP={tp}: batch-1 decode at {context}: {ms:.3f} ms/token (floor {decode[-1]['floor_ms']} ms, "
-                f"{decode[-1]['vs_floor']}x)")
+            log(f"TP={tp}: batch-1 decode at {context}: {ms:.3f} ms/token ({against_floor(floor, ms)})")
         tok_s = None if args.skip_throughput else throughput(llm, args.requests, args.input_len, args.output_len)
     if tok_s is not None:
         log(f"TP={tp}: throughput {tok_s:.1f} output tok/s")
@@ -177,7 +181,7 @@ def offload_decode(model: str, tp: int, options: dict, context: int, steps: int,
            "host_mb_per_step_rank0": round(per_step / 1e6, 2), "pcie_floor_ms": floor and round(floor, 2),
            "vs_floor": round(ms / floor, 3) if floor else None}
     log(f"TP={tp}: offload decode 1 x {context}: {row['ms_per_step']} ms/step, rank 0 copies "
-        f"{row['host_mb_per_step_rank0']} MB/step (floor {row['pcie_floor_ms']} ms, {row['vs_floor']}x)")
+        f"{row['host_mb_per_step_rank0']} MB/step ({against_floor(floor, ms)})")
     return row
 
 
