@@ -15,7 +15,8 @@
   per step, the PCIe floor of those bytes and the GB/s achieved;
 - GPU-only decode, Quest against dense, same sequences;
 - with --e2e-contexts: end-to-end prefill of one random prompt per length through --config's random weights,
-  dense vs XAttention at --e2e-threshold (near-uniform attention: the threshold sets the density);
+  dense vs XAttention at --e2e-threshold (near-uniform attention: the threshold sets the density), and with
+  --e2e-peer-thresholds the same XAttention engine at further thresholds (speed-up against density);
 - with --model and --samples-file (RULER samples saved by `nanovllm ruler --save-samples`): end-to-end
   prefill of real prompts through a real model, one prompt at a time, dense and XAttention engines
   alternating, with the density each prompt got (real attention patterns, unlike random weights).
@@ -26,8 +27,8 @@
         [--copied-host-keys-peer]]
     PYTHONPATH=. python3 bench/sparse.py --model DIR --samples-file FILE [--prompts 8] --skip-prefill \
         --skip-offload --skip-gpu-only
-    PYTHONPATH=. python3 bench/sparse.py --e2e-contexts 131072 [--e2e-threshold 0.2] --skip-prefill --skip-offload \
-        --skip-gpu-only
+    PYTHONPATH=. python3 bench/sparse.py --e2e-contexts 131072 [--e2e-threshold 0.2] [--e2e-chunk 32768] \
+        [--e2e-peer-thresholds 0.19 0.15 0.1] --skip-prefill --skip-offload --skip-gpu-only
 """
 from __future__ import annotations
 
